@@ -1,0 +1,44 @@
+# kvseal — the two commands a fresh machine needs are `make run` and `make test`;
+# each creates .venv (pinned versions from requirements-dev.txt) on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv run test lint proto bench bench-gpu device-check clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements-dev.txt client/pyproject.toml server/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e client -e server
+	touch $(STAMP)
+
+## Start the daemon (CPU backend without a GPU) on its default Unix socket.
+run: venv
+	$(VENV)/bin/kvseal-server --backend auto $(ARGS)
+
+## The whole test suite (CI runs this through .ci/run).
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check client server tests bench
+	$(VENV)/bin/ruff format --check client server tests bench
+	$(VENV)/bin/mypy
+
+## Regenerate the Python API from proto/ (tests fail when the two drift).
+proto: venv
+	$(PY) -m grpc_tools.protoc -I proto --python_out=client --grpc_python_out=client \
+	    --pyi_out=client proto/kvseal/v1/kvseal.proto
+
+bench: venv
+	$(PY) bench/bench_cpu.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build */build */*.egg-info
+
+# Feature fragments (GPU path, deployment checks) live in mk/*.mk.
+-include mk/*.mk
