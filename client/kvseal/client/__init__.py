@@ -1,0 +1,39 @@
+"""Engine-side client for the kvseal sidecar.
+
+- :class:`KVSealClient` — typed calls with deadlines and bounded retries;
+  raises :class:`KVSealRpcError` (code + stable reason) on failure.
+- :class:`EnginePool` — the hot-path wrapper an engine uses: never raises,
+  never blocks past its deadline; a daemon that is down, slow or restarting
+  turns lookups into misses and offloads into no-ops, and the pool is
+  re-registered automatically when the daemon comes back.
+- :mod:`kvseal.client.hashing` — chained block hashes and tenant digests.
+- :mod:`kvseal.client.shm` — KV pools in POSIX shared memory (CPU backend).
+
+Importing this package imports neither server code nor torch.
+"""
+
+from kvseal.client.client import (
+    ClientConfig,
+    EnginePool,
+    KVSealClient,
+    KVSealRpcError,
+    LookupResult,
+    OffloadResult,
+    PoolHandle,
+    RestoreResult,
+)
+from kvseal.client.hashing import NONE_HASH, chain_block_hashes, tenant_digest
+
+__all__ = [
+    "NONE_HASH",
+    "ClientConfig",
+    "EnginePool",
+    "KVSealClient",
+    "KVSealRpcError",
+    "LookupResult",
+    "OffloadResult",
+    "PoolHandle",
+    "RestoreResult",
+    "chain_block_hashes",
+    "tenant_digest",
+]

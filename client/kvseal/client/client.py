@@ -1,0 +1,423 @@
+"""gRPC client for the kvseal daemon.
+
+Two layers:
+
+- :class:`KVSealClient` is the typed API. Every call has a deadline; calls
+  that are safe to repeat (lookup, touch, stats, health) are retried by gRPC's
+  own retry policy on UNAVAILABLE, bounded by attempts and by the deadline.
+  Offload and restore are not retried (they move data; the engine decides).
+  Failures raise :class:`KVSealRpcError` with the status code and the
+  daemon's machine-readable reason.
+- :class:`EnginePool` is what an engine calls in its hot path. It never
+  raises and never waits past its deadline: errors become a miss (lookup),
+  a dropped offload, or a failed restore (the engine recomputes). After a
+  failure it stops calling for a short, growing back-off, so a dead daemon
+  costs the engine nothing; it re-registers its pool when the daemon reports
+  the pool unknown (daemon restart: new key, empty cache).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvseal.v1 import kvseal_pb2 as pb
+from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvseal.client")
+ERROR_METADATA_KEY = "kvseal-error"
+_IDEMPOTENT = ("Lookup", "Touch", "Stats")
+
+
+def default_target() -> str:
+    """KVSEAL_SOCKET, else the daemon's default socket path."""
+    sock = os.environ.get("KVSEAL_SOCKET")
+    if sock:
+        return sock if "://" in sock else "unix://" + sock
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = os.path.join(runtime, "kvseal") if runtime else f"/tmp/kvseal-{os.getuid()}"  # noqa: S108
+    return "unix://" + os.path.join(base, "kvseal.sock")
+
+
+class KVSealRpcError(Exception):
+    """A failed call: ``code`` (grpc.StatusCode), ``reason`` (the daemon's
+    ErrorReason name, or "" when the daemon was not reached) and ``details``."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, details: str) -> None:
+        super().__init__(f"{code.name}{f' ({reason})' if reason else ''}: {details}")
+        self.code = code
+        self.reason = reason
+        self.details = details
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError) -> KVSealRpcError:
+        reason = ""
+        call: Any = err
+        try:
+            for key, value in call.trailing_metadata() or ():
+                if key == ERROR_METADATA_KEY:
+                    reason = str(value)
+        except Exception:  # noqa: S110 - no metadata when the daemon was not reached
+            pass
+        return cls(call.code(), reason, call.details() or "")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    target: str = field(default_factory=default_target)
+    timeout_s: float = 2.0  # control calls (register, stats, drop)
+    lookup_timeout_s: float = 0.2  # hot-path lookups
+    transfer_timeout_s: float = 30.0  # offload/restore: large batches move GBs
+    retries: int = 3  # attempts for idempotent calls, first one included
+    backoff_initial_s: float = 0.2  # EnginePool: pause after a failure...
+    backoff_max_s: float = 10.0  # ...doubling up to this
+    tls_root_ca: bytes | None = None  # tcp:// targets: mutual TLS material
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    tls_server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if min(self.timeout_s, self.lookup_timeout_s, self.transfer_timeout_s) <= 0:
+            raise ValueError("timeouts must be positive")
+        if not 1 <= self.retries <= 5:
+            raise ValueError("retries must be in 1..5 (gRPC caps attempts at 5)")
+
+
+@dataclass(frozen=True)
+class PoolHandle:
+    pool_id: str
+    namespace: bytes
+    block_bytes: int
+    server_instance: str
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    hit_blocks: int
+    states: list[int]  # kvseal.v1.BlockState values
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    outcomes: list[int]  # kvseal.v1.OffloadOutcome values
+    stored_blocks: int
+    stored_bytes: int
+    evicted_blocks: int
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    restored_blocks: int
+    restored_bytes: int
+
+
+# grpc.health.v1 without a dependency on grpcio-health-checking (the client
+# installs with grpcio and protobuf only): HealthCheckRequest is
+# {string service = 1}, HealthCheckResponse is {ServingStatus status = 1}.
+_HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _encode_health_request(service: str) -> bytes:
+    raw = service.encode()
+    return b"\x0a" + _varint(len(raw)) + raw if raw else b""
+
+
+def _decode_health_status(data: bytes) -> int:
+    i, status = 0, 0
+    while i < len(data):
+        key = data[i]
+        i += 1
+        value, shift = 0, 0
+        while True:  # every field of this message is a varint or length-delimited
+            b = data[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                break
+        if key == 0x08:
+            status = value
+        elif key & 7 == 2:
+            i += value
+    return status
+
+
+def _service_config(retries: int) -> str:
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{"service": "kvseal.v1.KVSeal", "method": m} for m in _IDEMPOTENT]
+                    + [{"service": "grpc.health.v1.Health"}],
+                    "retryPolicy": {
+                        "maxAttempts": max(2, retries),
+                        "initialBackoff": "0.01s",
+                        "maxBackoff": "0.2s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ]
+        }
+    )
+
+
+class KVSealClient:
+    """One channel to one daemon. Thread-safe (gRPC channels are)."""
+
+    def __init__(self, config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig()
+        cfg = self.config
+        options: list[tuple[str, Any]] = [
+            ("grpc.enable_retries", 1 if cfg.retries > 1 else 0),
+            ("grpc.service_config", _service_config(cfg.retries)),
+            # Reconnect quickly after a daemon restart instead of gRPC's
+            # default back-off of up to 2 minutes.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.min_reconnect_backoff_ms", 100),
+        ]
+        if cfg.target.startswith("unix:"):
+            self._channel = grpc.insecure_channel(cfg.target, options=options)
+        else:
+            if cfg.tls_server_name:
+                options.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
+            creds = grpc.ssl_channel_credentials(cfg.tls_root_ca, cfg.tls_key, cfg.tls_cert)
+            target = cfg.target.removeprefix("tcp://")
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        self._stub = pb_grpc.KVSealStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> KVSealClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        fn = getattr(self._stub, method)
+        try:
+            return fn(request, timeout=timeout or self.config.timeout_s)
+        except grpc.RpcError as e:
+            raise KVSealRpcError.from_rpc(e) from None
+
+    # ------------------------------------------------------------ API
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """The daemon's grpc.health.v1 status name, e.g. "SERVING"."""
+        check = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_encode_health_request,
+            response_deserializer=_decode_health_status,
+        )
+        try:
+            status: int = check(service, timeout=timeout or self.config.timeout_s)
+        except grpc.RpcError as e:
+            raise KVSealRpcError.from_rpc(e) from None
+        return _HEALTH_STATUS.get(status, f"STATUS_{status}")
+
+    def register_pool(
+        self, name: str, model_fingerprint: bytes, geometry: pb.PoolGeometry,
+        backend: int = pb.BACKEND_UNSPECIFIED,
+    ) -> PoolHandle:  # fmt: skip
+        r = self._call(
+            "RegisterPool",
+            pb.RegisterPoolRequest(
+                name=name, model_fingerprint=model_fingerprint, geometry=geometry, backend=backend
+            ),
+        )
+        return PoolHandle(r.pool_id, r.namespace, r.block_bytes, r.server_instance)
+
+    def unregister_pool(self, pool_id: str) -> None:
+        self._call("UnregisterPool", pb.UnregisterPoolRequest(pool_id=pool_id))
+
+    def lookup(self, pool_id: str, tenant: bytes, block_hashes: Sequence[bytes]) -> LookupResult:
+        r = self._call(
+            "Lookup",
+            pb.LookupRequest(pool_id=pool_id, tenant=tenant, block_hashes=block_hashes),
+            self.config.lookup_timeout_s,
+        )
+        return LookupResult(r.hit_blocks, list(r.states))
+
+    def touch(self, pool_id: str, tenant: bytes, block_hashes: Sequence[bytes]) -> int:
+        r = self._call("Touch", pb.TouchRequest(pool_id=pool_id, tenant=tenant, block_hashes=block_hashes))
+        return int(r.touched)
+
+    def offload(
+        self, pool_id: str, tenant: bytes, block_hashes: Sequence[bytes], page_ids: Sequence[int],
+        parent_hash: bytes | None = None, timeout: float | None = None,
+    ) -> OffloadResult:  # fmt: skip
+        r = self._call(
+            "Offload",
+            pb.OffloadRequest(
+                pool_id=pool_id, tenant=tenant, parent_hash=parent_hash or b"",
+                block_hashes=block_hashes, page_ids=page_ids,
+            ),  # fmt: skip
+            timeout or self.config.transfer_timeout_s,
+        )
+        return OffloadResult(list(r.outcomes), r.stored_blocks, r.stored_bytes, r.evicted_blocks)
+
+    def restore(
+        self, pool_id: str, tenant: bytes, block_hashes: Sequence[bytes], page_ids: Sequence[int],
+        release: bool = False, timeout: float | None = None,
+    ) -> RestoreResult:  # fmt: skip
+        r = self._call(
+            "Restore",
+            pb.RestoreRequest(
+                pool_id=pool_id, tenant=tenant, block_hashes=block_hashes, page_ids=page_ids,
+                release=release,
+            ),  # fmt: skip
+            timeout or self.config.transfer_timeout_s,
+        )
+        return RestoreResult(r.restored_blocks, r.restored_bytes)
+
+    def drop(
+        self, pool_id: str, tenant: bytes, block_hashes: Sequence[bytes] = (), all_of_tenant: bool = False
+    ) -> int:
+        r = self._call(
+            "Drop",
+            pb.DropRequest(pool_id=pool_id, tenant=tenant, block_hashes=block_hashes, all_of_tenant=all_of_tenant),
+        )
+        return int(r.dropped_blocks)
+
+    def stats(self) -> pb.StatsReply:
+        reply: pb.StatsReply = self._call("Stats", pb.StatsRequest())
+        return reply
+
+    def watch_events(self, tenant: bytes = b"", timeout: float | None = None) -> Iterator[pb.BlockEvent]:
+        """Stream of block events; ends with KVSealRpcError (e.g.
+        RESOURCE_EXHAUSTED if this watcher fell behind: resubscribe)."""
+        call = self._stub.WatchEvents(pb.WatchEventsRequest(tenant=tenant), timeout=timeout)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            raise KVSealRpcError.from_rpc(e) from None
+        finally:
+            call.cancel()
+
+
+class EnginePool:
+    """A registered pool as the engine's hot path sees it: degrade, never fail.
+
+    ``register`` describes the pool; the handle is (re)obtained lazily, so
+    the engine can start before the daemon and survive its restarts. All
+    methods are thread-safe and return within their deadline.
+    """
+
+    def __init__(
+        self, client: KVSealClient, name: str, model_fingerprint: bytes, geometry: pb.PoolGeometry
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.model_fingerprint = model_fingerprint
+        self.geometry = geometry
+        self._lock = threading.Lock()
+        self._handle: PoolHandle | None = None
+        self._down_until = 0.0
+        self._backoff = client.config.backoff_initial_s
+        self.failures = 0  # calls that degraded (visible to engine metrics)
+
+    @property
+    def handle(self) -> PoolHandle | None:
+        return self._handle
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, err: KVSealRpcError) -> None:
+        self.failures += 1
+        with self._lock:
+            if err.reason == "UNKNOWN_POOL":
+                self._handle = None  # daemon restarted or pool replaced: register again
+                return
+            if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.INTERNAL):  # fmt: skip
+                self._down_until = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, self.client.config.backoff_max_s)
+                self._handle = None if err.code is not grpc.StatusCode.DEADLINE_EXCEEDED else self._handle
+        log.warning("kvseal call degraded: %s", err)
+
+    def _ok(self) -> None:
+        self._backoff = self.client.config.backoff_initial_s
+
+    def _ensure(self) -> PoolHandle | None:
+        if not self._available():
+            return None
+        h = self._handle
+        if h is not None:
+            return h
+        try:
+            h = self.client.register_pool(self.name, self.model_fingerprint, self.geometry)
+        except KVSealRpcError as e:
+            self._failed(e)
+            return None
+        with self._lock:
+            self._handle = h
+        return h
+
+    def lookup(self, tenant: bytes, block_hashes: Sequence[bytes]) -> int:
+        """Number of leading blocks cached (0 on any failure)."""
+        h = self._ensure()
+        if h is None or not block_hashes:
+            return 0
+        try:
+            n = self.client.lookup(h.pool_id, tenant, block_hashes).hit_blocks
+        except KVSealRpcError as e:
+            self._failed(e)
+            return 0
+        self._ok()
+        return n
+
+    def offload(
+        self, tenant: bytes, block_hashes: Sequence[bytes], page_ids: Sequence[int],
+        parent_hash: bytes | None = None,
+    ) -> bool:  # fmt: skip
+        """Seal and store the pages; False means dropped (nothing to undo)."""
+        h = self._ensure()
+        if h is None or not block_hashes:
+            return False
+        try:
+            self.client.offload(h.pool_id, tenant, block_hashes, page_ids, parent_hash)
+        except KVSealRpcError as e:
+            self._failed(e)
+            return False
+        self._ok()
+        return True
+
+    def restore(
+        self, tenant: bytes, block_hashes: Sequence[bytes], page_ids: Sequence[int], release: bool = False
+    ) -> bool:
+        """True: every destination page now holds its block. False: none was
+        written (integrity failure, miss, daemon down): recompute them."""
+        h = self._ensure()
+        if h is None or not block_hashes:
+            return False
+        try:
+            self.client.restore(h.pool_id, tenant, block_hashes, page_ids, release)
+        except KVSealRpcError as e:
+            self._failed(e)
+            return False
+        self._ok()
+        return True
+
+

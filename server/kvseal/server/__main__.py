@@ -1,0 +1,7 @@
+"""``python -m kvseal.server`` runs the daemon."""
+
+import sys
+
+from kvseal.server.main import main
+
+sys.exit(main())

@@ -1,0 +1,359 @@
+"""The sealed host tier: request semantics on top of index, backend, region.
+
+Each public method validates its whole request before changing anything (so
+bad input leaves the cache exactly as it was), then runs the index's atomic
+reserve/pin step, moves bytes through the backend without holding the index
+lock, and completes. Failure at any point releases what was reserved.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvseal.server.backend import Backend, BlockIO
+from kvseal.server.config import IntegrityPolicy, ServerConfig
+from kvseal.server.errors import (
+    BackendMismatch,
+    BadRequest,
+    IntegrityFailure,
+    PageOutOfRange,
+    ShuttingDown,
+)
+from kvseal.server.events import EventBus, EventKind
+from kvseal.server.hostregion import HostRegion
+from kvseal.server.index import Entry, Index, Removal, State, StoreOutcome
+from kvseal.server.pools import Pool, PoolRegistry, PoolSpec
+from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer
+
+log = logging.getLogger("kvseal.cache")
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    pool_id: str
+    namespace: bytes
+    block_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadResult:
+    outcomes: list[StoreOutcome]
+    stored_blocks: int
+    stored_bytes: int
+    evicted_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    restored_blocks: int
+    restored_bytes: int
+
+
+@dataclass
+class Counters:
+    lookups: int = 0
+    lookup_hit_blocks: int = 0
+    offloaded_blocks: int = 0
+    offloaded_bytes: int = 0
+    restored_blocks: int = 0
+    restored_bytes: int = 0
+    evicted_blocks: int = 0
+    dropped_blocks: int = 0
+    integrity_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Observer:
+    """Hooks for metrics/tracing; all optional, called outside locks."""
+
+    on_transfer: Callable[[str, int, int, float], None] | None = None  # dir, blocks, bytes, s
+    on_integrity_failure: Callable[[str, int], None] | None = None  # pool id, blocks
+
+
+class SealedCache:
+    """Owns the index, the region and the pools; thread-safe.
+
+    ``on_integrity_abort`` is called once, from the request thread that saw
+    the failure, when the policy is ``abort``: the caller stops serving.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        backend: Backend,
+        region: HostRegion,
+        sealer: BlockSealer,
+        on_integrity_abort: Callable[[], None] | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.region = region
+        self.sealer = sealer
+        self.pools = PoolRegistry(config.max_pools)
+        self.index = Index(region.capacity, on_free=self._on_free)
+        self.events = EventBus(config.max_watchers)
+        self.counters = Counters()
+        self._counter_lock = threading.Lock()
+        self._serving = True
+        self._on_integrity_abort = on_integrity_abort
+        self.observer = observer or Observer()
+
+    def _on_free(self, e: Entry) -> None:
+        if e.record is not None:
+            self.sealer.forget(e.record.epoch)
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    def stop_serving(self) -> None:
+        self._serving = False
+
+    def _check_serving(self) -> None:
+        if not self._serving:
+            raise ShuttingDown("kvseal is not serving (shutting down or stopped after an integrity failure)")
+
+    def _count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            for k, v in deltas.items():
+                setattr(self.counters, k, getattr(self.counters, k) + v)
+
+    # ---------------------------------------------------------------- validation
+
+    def _check_tenant(self, tenant: bytes) -> None:
+        if len(tenant) != TENANT_BYTES:
+            raise BadRequest(
+                f"tenant must be a {TENANT_BYTES}-byte digest of the cache salt, got {len(tenant)} bytes"
+            )
+
+    def _check_hashes(self, hashes: Sequence[bytes], *, allow_empty: bool = False) -> None:
+        if not hashes and not allow_empty:
+            raise BadRequest("block_hashes is empty")
+        if len(hashes) > self.config.max_batch_blocks:
+            raise BadRequest(
+                f"{len(hashes)} blocks in one request (limit {self.config.max_batch_blocks}); split it"
+            )
+        for i, h in enumerate(hashes):
+            if len(h) != HASH_BYTES:
+                raise BadRequest(f"block_hashes[{i}] has {len(h)} bytes; hashes are {HASH_BYTES} bytes")
+        if len(set(hashes)) != len(hashes):
+            seen: set[bytes] = set()
+            for i, h in enumerate(hashes):
+                if h in seen:
+                    raise BadRequest(f"block_hashes[{i}] repeats an earlier hash in the request")
+                seen.add(h)
+
+    def _check_pages(self, pool: Pool, hashes: Sequence[bytes], pages: Sequence[int]) -> None:
+        if len(pages) != len(hashes):
+            raise BadRequest(f"{len(hashes)} block_hashes but {len(pages)} page_ids")
+        for i, p in enumerate(pages):
+            if not 0 <= p < pool.num_pages:
+                raise PageOutOfRange(
+                    f"page_ids[{i}]={p} is out of range: pool {pool.pool_id!r} has {pool.num_pages} pages"
+                )
+        if len(set(pages)) != len(pages):
+            seen: set[int] = set()
+            for i, p in enumerate(pages):
+                if p in seen:
+                    raise BadRequest(f"page_ids[{i}]={p} repeats an earlier page in the request")
+                seen.add(p)
+        total = len(pages) * pool.block_bytes
+        if total > self.config.max_batch_bytes:
+            raise BadRequest(
+                f"request moves {total} bytes (limit {self.config.max_batch_bytes}); split it"
+            )
+
+    # ---------------------------------------------------------------- pools
+
+    def register_pool(self, spec: PoolSpec) -> Registered:
+        self._check_serving()
+        spec.validate()
+        if spec.backend != self.backend.kind:
+            raise BackendMismatch(
+                f"pool registered for the {spec.backend} backend but this daemon runs {self.backend.kind}"
+            )
+        mapped = self.backend.map_pool(spec)
+        ns = spec.namespace()
+        pool, old = self.pools.add(spec, ns, mapped)
+        if old is not None:
+            log.info("pool %s replaced by %s", old.pool_id, pool.pool_id)
+        log.info(
+            "registered pool %s: %d pages of %d bytes, layout %s",
+            pool.pool_id, pool.num_pages, pool.block_bytes, spec.geometry.layout,
+        )  # fmt: skip
+        return Registered(pool.pool_id, ns, pool.block_bytes)
+
+    def unregister_pool(self, pool_id: str) -> None:
+        pool = self.pools.remove(pool_id)
+        log.info("unregistered pool %s", pool.pool_id)
+
+    # ---------------------------------------------------------------- blocks
+
+    def lookup(self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]) -> tuple[int, list[State]]:
+        self._check_serving()
+        self._check_tenant(tenant)
+        self._check_hashes(hashes)
+        with self.pools.use(pool_id) as pool:
+            hit, states = self.index.lookup(pool.namespace, tenant, hashes)
+        self._count(lookups=1, lookup_hit_blocks=hit)
+        return hit, states
+
+    def touch(self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]) -> int:
+        self._check_serving()
+        self._check_tenant(tenant)
+        self._check_hashes(hashes)
+        with self.pools.use(pool_id) as pool:
+            return self.index.touch(pool.namespace, tenant, hashes)
+
+    def offload(
+        self,
+        pool_id: str,
+        tenant: bytes,
+        parent_hash: bytes | None,
+        hashes: Sequence[bytes],
+        pages: Sequence[int],
+    ) -> OffloadResult:
+        self._check_serving()
+        self._check_tenant(tenant)
+        self._check_hashes(hashes)
+        if parent_hash is not None and len(parent_hash) != HASH_BYTES:
+            raise BadRequest(f"parent_hash has {len(parent_hash)} bytes; hashes are {HASH_BYTES} bytes")
+        with self.pools.use(pool_id) as pool:
+            self._check_pages(pool, hashes, pages)
+            ns, size = pool.namespace, pool.block_bytes
+            plan = self.index.begin_store(ns, tenant, parent_hash, hashes, size)
+            self._publish_removed(plan.evicted, Removal.EVICTED)
+            blocks = [
+                BlockIO(
+                    pages[pos],
+                    e.extent,
+                    BlockAD(ns, tenant, e.block_hash, e.generation),
+                    size,
+                )
+                for e, pos in zip(plan.new, plan.new_positions, strict=True)
+            ]
+            t0 = time.perf_counter()
+            try:
+                records = self.backend.seal_blocks(pool.mapped, blocks, self.region) if blocks else []
+            except BaseException:
+                self.index.complete_store(plan.new, [None] * len(plan.new))
+                raise
+            self.index.complete_store(plan.new, records)
+            elapsed = time.perf_counter() - t0
+        stored = [e.block_hash for e in plan.new if not e.removed]
+        self.events.publish(EventKind.STORED, "", ns, tenant, stored)
+        nbytes = len(blocks) * size
+        self._count(
+            offloaded_blocks=len(blocks), offloaded_bytes=nbytes, evicted_blocks=len(plan.evicted)
+        )
+        if blocks and self.observer.on_transfer:
+            self.observer.on_transfer("offload", len(blocks), nbytes, elapsed)
+        return OffloadResult(plan.outcomes, len(blocks), nbytes, len(plan.evicted))
+
+    def restore(
+        self,
+        pool_id: str,
+        tenant: bytes,
+        hashes: Sequence[bytes],
+        pages: Sequence[int],
+        *,
+        release: bool,
+    ) -> RestoreResult:
+        self._check_serving()
+        self._check_tenant(tenant)
+        self._check_hashes(hashes)
+        with self.pools.use(pool_id) as pool:
+            self._check_pages(pool, hashes, pages)
+            ns = pool.namespace
+            entries = self.index.begin_restore(ns, tenant, hashes)
+            failed_idx: list[int] = []
+            try:
+                records = []
+                for e in entries:
+                    assert e.record is not None  # READY entries always have a record
+                    records.append(e.record)
+                blocks = [
+                    BlockIO(p, e.extent, BlockAD(ns, tenant, e.block_hash, e.generation), e.size)
+                    for e, p in zip(entries, pages, strict=True)
+                ]
+                t0 = time.perf_counter()
+                failed_idx = self.backend.open_blocks(pool.mapped, blocks, records, self.region)
+                elapsed = time.perf_counter() - t0
+            except BaseException:
+                self.index.complete_restore(entries, release=False)
+                raise
+            failed = [entries[i] for i in failed_idx]
+            if failed and self.config.integrity_policy is IntegrityPolicy.ABORT:
+                self.index.complete_restore(entries, release=False)
+                self._integrity_failure(pool, failed, abort=True)
+            released, bad = self.index.complete_restore(
+                entries,
+                release=release and not failed,
+                failed=failed,
+            )
+        self._publish_removed(released, Removal.RELEASED)
+        if failed:
+            self._publish_removed(bad, Removal.INTEGRITY)
+            self._integrity_failure(pool, failed, abort=False)
+        nbytes = sum(e.size for e in entries)
+        self._count(restored_blocks=len(entries), restored_bytes=nbytes)
+        if self.observer.on_transfer:
+            self.observer.on_transfer("restore", len(entries), nbytes, elapsed)
+        return RestoreResult(len(entries), nbytes)
+
+    def _integrity_failure(self, pool: Pool, failed: list[Entry], *, abort: bool) -> None:
+        self._count(integrity_failures=len(failed))
+        if self.observer.on_integrity_failure:
+            self.observer.on_integrity_failure(pool.pool_id, len(failed))
+        which = ", ".join(e.block_hash.hex()[:16] for e in failed[:8])
+        msg = (
+            f"{len(failed)} block(s) failed authentication (host memory was altered, swapped, "
+            f"replayed or truncated): {which}; nothing was written to the pool"
+        )
+        if abort:
+            log.critical("INTEGRITY FAILURE in pool %s: %s; policy abort: stopping", pool.pool_id, msg)
+            self._serving = False
+            if self._on_integrity_abort is not None:
+                self._on_integrity_abort()
+            raise IntegrityFailure(msg + "; kvseal is stopping (policy abort)")
+        log.error("INTEGRITY FAILURE in pool %s: %s; policy drop: blocks evicted", pool.pool_id, msg)
+        raise IntegrityFailure(msg + "; the blocks were evicted (policy drop)")
+
+    def drop(
+        self, pool_id: str, tenant: bytes, hashes: Sequence[bytes], *, all_of_tenant: bool
+    ) -> int:
+        self._check_serving()
+        self._check_tenant(tenant)
+        if all_of_tenant and hashes:
+            raise BadRequest("give either block_hashes or all_of_tenant, not both")
+        if not all_of_tenant:
+            self._check_hashes(hashes)
+        with self.pools.use(pool_id) as pool:
+            removed = self.index.drop(pool.namespace, tenant, None if all_of_tenant else hashes)
+        self._publish_removed(removed, Removal.DROPPED)
+        self._count(dropped_blocks=len(removed))
+        return len(removed)
+
+    def _publish_removed(self, entries: list[Entry], reason: Removal) -> None:
+        groups: dict[tuple[bytes, bytes], list[bytes]] = {}
+        for e in entries:
+            if e.state is State.READY:  # PENDING ones were never announced
+                groups.setdefault((e.key[0], e.key[1]), []).append(e.block_hash)
+        for (ns, tenant), hashes in groups.items():
+            self.events.publish(EventKind.REMOVED, reason.name, ns, tenant, hashes)
+
+    def close(self) -> None:
+        for pool in self.pools.all():
+            try:
+                self.pools.remove(pool.pool_id)
+            except Exception:  # noqa: S112 - best effort at shutdown
+                continue
+        self.backend.close()
+        self.region.close()

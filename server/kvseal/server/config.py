@@ -1,0 +1,112 @@
+"""Daemon configuration: one frozen, validated dataclass.
+
+Command-line flags and ``KVSEAL_*`` environment variables map onto it in
+``main``; everything below reads only this object.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class IntegrityPolicy(Enum):
+    ABORT = "abort"  # fail the request, stop serving, exit with EXIT_INTEGRITY
+    DROP = "drop"  # fail the request with DATA_LOSS, evict the blocks, keep serving
+
+
+EXIT_INTEGRITY = 3  # exit status after an integrity abort (systemd: do not restart)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "B": 1,
+    "K": 1000, "KB": 1000, "KI": 1024, "KIB": 1024,
+    "M": 1000**2, "MB": 1000**2, "MI": 1024**2, "MIB": 1024**2,
+    "G": 1000**3, "GB": 1000**3, "GI": 1024**3, "GIB": 1024**3,
+    "T": 1000**4, "TB": 1000**4, "TI": 1024**4, "TIB": 1024**4,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """'64GiB' -> 68719476736. Raises ValueError with the offending text."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 64GiB)")
+    unit = (m.group(2) or "").upper()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown size unit in {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def default_socket_path() -> str:
+    """systemd's RUNTIME_DIRECTORY, else XDG_RUNTIME_DIR/kvseal, else
+    /tmp/kvseal-<uid>; the socket is ``kvseal.sock`` inside it."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY")
+    if runtime:
+        base = runtime.split(":")[0]
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        base = os.path.join(os.environ["XDG_RUNTIME_DIR"], "kvseal")
+    else:
+        base = f"/tmp/kvseal-{os.getuid()}"  # noqa: S108 - private 0700 dir, checked at bind
+    return os.path.join(base, "kvseal.sock")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = field(default_factory=lambda: "unix://" + default_socket_path())
+    backend: str = "auto"  # auto | cpu | cuda
+    device: int = 0
+    host_bytes: int = 4 * 1024**3
+    host_region: str | None = None
+    integrity_policy: IntegrityPolicy = IntegrityPolicy.ABORT
+    allow_uids: tuple[int, ...] = ()  # empty: the daemon's own uid
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    metrics_address: str | None = None
+    workers: int = 0  # CPU sealing threads; 0: min(4, cpu count)
+    grpc_threads: int = 16
+    max_batch_blocks: int = 4096
+    max_batch_bytes: int = 2 * 1024**3
+    max_pools: int = 64
+    max_watchers: int = 8
+    rekey_after: int = 2**32
+    grace_seconds: float = 5.0
+    log_format: str = "text"
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not (self.listen.startswith("unix://") or self.listen.startswith("tcp://")):
+            raise ValueError(f"--listen must be unix:///path or tcp://host:port, not {self.listen!r}")
+        if self.listen.startswith("tcp://"):
+            if not (self.tls_cert and self.tls_key and self.tls_client_ca):
+                raise ValueError(
+                    "tcp:// listening requires mutual TLS: give --tls-cert, --tls-key "
+                    "and --tls-client-ca (plaintext TCP is refused)"
+                )
+        if self.backend not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--backend must be auto, cpu or cuda, not {self.backend!r}")
+        if self.host_bytes < 1024 * 1024:
+            raise ValueError("--host-bytes must be at least 1MiB")
+        for name in ("max_batch_blocks", "max_batch_bytes", "max_pools", "max_watchers",
+                     "rekey_after", "grpc_threads"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.workers < 0:
+            raise ValueError("--workers must be >= 0")
+        if self.log_format not in ("text", "json"):
+            raise ValueError("--log-format must be text or json")
+
+    @property
+    def unix_path(self) -> str | None:
+        return self.listen[len("unix://") :] if self.listen.startswith("unix://") else None
+
+    @property
+    def effective_allow_uids(self) -> frozenset[int]:
+        return frozenset(self.allow_uids or (os.getuid(),))
+
+    @property
+    def effective_workers(self) -> int:
+        return self.workers or max(1, min(4, os.cpu_count() or 1))

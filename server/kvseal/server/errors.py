@@ -1,0 +1,94 @@
+"""Domain errors of the daemon and the single table that maps them to gRPC.
+
+Every error raised for a request is a :class:`KVSealError`; its ``reason`` is
+one of the proto's ``ErrorReason`` names, sent to the client in trailing
+metadata (``kvseal-error``) next to the status code, so that clients can act on
+it (e.g. re-register on ``UNKNOWN_POOL``) without parsing messages.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+ERROR_METADATA_KEY = "kvseal-error"
+
+
+class KVSealError(Exception):
+    """Base class. ``message`` is safe to send to the client and to log."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: str = "ERROR_REASON_UNSPECIFIED"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(KVSealError):
+    """The request is malformed; nothing was changed."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "BAD_REQUEST"
+
+
+class PageOutOfRange(BadRequest):
+    """A page id is outside the pool; checked before any byte is copied."""
+
+    reason = "PAGE_OUT_OF_RANGE"
+
+
+class UnknownPool(KVSealError):
+    """The pool id was never registered, or was unregistered/replaced."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "UNKNOWN_POOL"
+
+
+class BlockNotPresent(KVSealError):
+    """A block to restore is not READY in the host tier (absent or pending)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "BLOCK_NOT_PRESENT"
+
+
+class CapacityExhausted(KVSealError):
+    """The host tier cannot make room without evicting pinned/pending blocks."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "CAPACITY_EXHAUSTED"
+
+
+class HandleUnusable(KVSealError):
+    """A pool buffer handle cannot be mapped (missing, too small, refused)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "HANDLE_UNUSABLE"
+
+
+class BackendMismatch(KVSealError):
+    """The pool was registered for a backend this daemon does not run."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "BACKEND_MISMATCH"
+
+
+class IntegrityFailure(KVSealError):
+    """A sealed block failed authentication: the host altered, swapped,
+    replayed or removed it. The block is never served."""
+
+    code = grpc.StatusCode.DATA_LOSS
+    reason = "INTEGRITY_FAILURE"
+
+
+class ShuttingDown(KVSealError):
+    """The daemon is draining or has stopped serving after an integrity abort."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "SHUTTING_DOWN"
+
+
+class EventsOverflow(KVSealError):
+    """A WatchEvents subscriber fell behind; it must resubscribe and resync."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "CAPACITY_EXHAUSTED"

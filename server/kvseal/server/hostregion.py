@@ -1,0 +1,179 @@
+"""The untrusted host region: where ciphertext lives, and its allocator.
+
+Threat model: the hypervisor can read and rewrite every byte of this region at
+any time (in a confidential VM it is shared, unencrypted memory). So:
+
+- only ciphertext is ever written here (the sealing contract);
+- nothing read from here is trusted: nonces, tags, sizes and generations live
+  in the trusted index; a slot's bytes are *snapshotted* into private memory
+  with one copy (``read_into``) and only that snapshot is authenticated and
+  decrypted, so the host cannot change bytes between check and use;
+- the host can also shrink a backing file; reads then come back short, which
+  the caller treats exactly like tampering (never a crash: we use
+  ``pread``/``pwrite`` on a file descriptor rather than a memory map, which
+  would raise SIGBUS on a truncated file).
+
+On the CPU backend the region is a ``memfd`` (anonymous) or a file given with
+``--host-region`` (mode 0600), which is how tests play the hypervisor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import stat
+import threading
+from dataclasses import dataclass
+
+SLOT_ALIGN = 256  # keeps slots aligned for DMA engines and AVX stores
+
+
+def align_up(n: int, a: int = SLOT_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class RegionError(Exception):
+    """The region cannot be created or accessed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    offset: int
+    size: int
+
+
+class ExtentAllocator:
+    """First-fit allocator of aligned extents in ``[0, capacity)``.
+
+    Not thread-safe: the cache calls it under its index lock. ``clone`` gives
+    a scratch copy so that eviction can be *planned* without changing
+    anything (eviction is atomic: it frees what was asked or nothing).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity // SLOT_ALIGN * SLOT_ALIGN
+        # Free extents, sorted by offset, never adjacent (always coalesced).
+        self._offsets: list[int] = [0] if self.capacity else []
+        self._sizes: list[int] = [self.capacity] if self.capacity else []
+        self.used = 0
+
+    def clone(self) -> ExtentAllocator:
+        other = ExtentAllocator.__new__(ExtentAllocator)
+        other.capacity = self.capacity
+        other._offsets = list(self._offsets)
+        other._sizes = list(self._sizes)
+        other.used = self.used
+        return other
+
+    def allocate(self, size: int) -> Extent | None:
+        """Return an extent of ``align_up(size)`` bytes, or None if no free
+        run is large enough (nothing changes then)."""
+        need = align_up(size)
+        for i, free in enumerate(self._sizes):
+            if free >= need:
+                off = self._offsets[i]
+                if free == need:
+                    del self._offsets[i]
+                    del self._sizes[i]
+                else:
+                    self._offsets[i] = off + need
+                    self._sizes[i] = free - need
+                self.used += need
+                return Extent(off, need)
+        return None
+
+    def can_allocate_all(self, sizes: list[int]) -> bool:
+        """Whether ``allocate`` would succeed for every size, in order."""
+        trial = self.clone()
+        return all(trial.allocate(s) is not None for s in sizes)
+
+    def free(self, extent: Extent) -> None:
+        off, size = extent.offset, extent.size
+        i = bisect.bisect_left(self._offsets, off)
+        if i < len(self._offsets) and self._offsets[i] < off + size:
+            raise RegionError("double free or overlapping extent")
+        if i > 0 and self._offsets[i - 1] + self._sizes[i - 1] > off:
+            raise RegionError("double free or overlapping extent")
+        self.used -= size
+        merge_prev = i > 0 and self._offsets[i - 1] + self._sizes[i - 1] == off
+        merge_next = i < len(self._offsets) and self._offsets[i] == off + size
+        if merge_prev and merge_next:
+            self._sizes[i - 1] += size + self._sizes[i]
+            del self._offsets[i]
+            del self._sizes[i]
+        elif merge_prev:
+            self._sizes[i - 1] += size
+        elif merge_next:
+            self._offsets[i] = off
+            self._sizes[i] += size
+        else:
+            self._offsets.insert(i, off)
+            self._sizes.insert(i, size)
+
+    def free_bytes(self) -> int:
+        return sum(self._sizes)
+
+
+class HostRegion:
+    """A file descriptor of ``capacity`` bytes that only ever holds ciphertext.
+
+    ``write``/``read_into`` are thread-safe (positional I/O on one fd). The
+    region owns its fd; ``close`` releases it (a memfd's memory goes with it).
+    """
+
+    def __init__(self, capacity: int, path: str | None = None) -> None:
+        if capacity <= 0:
+            raise RegionError("host region capacity must be positive")
+        self.capacity = capacity
+        self.path = path
+        if path is None:
+            self._fd = os.memfd_create("kvseal-host-region", os.MFD_CLOEXEC)
+            self.description = "anonymous memfd"
+        else:
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            try:
+                self._fd = os.open(path, flags, 0o600)
+            except OSError as e:
+                raise RegionError(f"cannot open host region {path!r}: {e.strerror}") from e
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(self._fd)
+                raise RegionError(f"host region {path!r} is not a regular file")
+            os.fchmod(self._fd, 0o600)
+            self.description = path
+        try:
+            os.ftruncate(self._fd, 0)  # stale ciphertext from a previous key is useless
+            os.ftruncate(self._fd, capacity)
+        except OSError as e:
+            os.close(self._fd)
+            raise RegionError(f"cannot size host region to {capacity} bytes: {e.strerror}") from e
+        self._closed = threading.Event()
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """Publish ``data`` (ciphertext, private buffer) at ``offset``."""
+        view = data.cast("B") if data.format != "B" else data
+        done = 0
+        while done < len(view):
+            n = os.pwrite(self._fd, view[done:], offset + done)
+            if n <= 0:
+                raise RegionError("short write to host region")
+            done += n
+
+    def read_into(self, offset: int, out: memoryview) -> int:
+        """Snapshot ``len(out)`` bytes at ``offset`` into private ``out``.
+
+        Returns the number of bytes read, which is short if the host shrank
+        the backing file; the caller must then treat the slot as tampered.
+        """
+        done = 0
+        while done < len(out):
+            n = os.preadv(self._fd, [out[done:]], offset + done)
+            if n <= 0:
+                break
+            done += n
+        return done
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            os.close(self._fd)

@@ -1,0 +1,339 @@
+"""``kvseal-server``: the daemon's command line, process hardening, serving
+and shutdown.
+
+Lifecycle: harden the process (no core dumps, not ptrace-able) -> cipher
+self-test -> pick the backend -> create the host region -> bind -> health
+SERVING -> systemd READY=1 -> ... SIGTERM -> health NOT_SERVING -> drain
+in-flight RPCs for ``grace`` seconds -> exit 0. After an integrity failure
+under ``--on-integrity-failure abort`` the same shutdown runs and the exit
+status is 3 (EXIT_INTEGRITY).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import resource
+import secrets
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvseal.server import sealing
+from kvseal.server.backend import Backend, CpuBackend
+from kvseal.server.cache import SealedCache
+from kvseal.server.config import (
+    EXIT_INTEGRITY,
+    IntegrityPolicy,
+    ServerConfig,
+    default_socket_path,
+    parse_size,
+)
+from kvseal.server.hostregion import HostRegion, RegionError
+from kvseal.server.peercred import PeerCredGate
+from kvseal.server.service import KVSealServicer
+from kvseal.v1 import kvseal_pb2 as pb
+from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvseal")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVSeal"].full_name
+EXIT_CONFIG = 2
+_PR_SET_DUMPABLE = 4
+
+
+# ------------------------------------------------------------------ config
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvseal-server",
+        description=(
+            "kvseal: a sealed (AES-256-GCM) host-memory KV-cache tier for one GPU. "
+            "Every flag can also be set with the KVSEAL_* variable shown."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--listen", default=_env("KVSEAL_LISTEN", "unix://" + default_socket_path()),
+                   help="unix:///path/to.sock, or tcp://host:port with mutual TLS [KVSEAL_LISTEN]")
+    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default=_env("KVSEAL_BACKEND", "auto"),
+                   help="where blocks are sealed; auto picks cuda when a GPU is usable [KVSEAL_BACKEND]")
+    p.add_argument("--device", type=int, default=int(_env("KVSEAL_DEVICE", "0") or 0),
+                   help="GPU ordinal for the cuda backend [KVSEAL_DEVICE]")
+    p.add_argument("--host-bytes", default=_env("KVSEAL_HOST_BYTES", "4GiB"),
+                   help="capacity of the sealed host tier, e.g. 512MiB, 64GiB [KVSEAL_HOST_BYTES]")
+    p.add_argument("--host-region", default=_env("KVSEAL_HOST_REGION"),
+                   help="back the ciphertext region with this file (mode 0600, e.g. under /dev/shm) "
+                        "instead of anonymous memory [KVSEAL_HOST_REGION]")
+    p.add_argument("--on-integrity-failure", choices=("abort", "drop"),
+                   default=_env("KVSEAL_ON_INTEGRITY_FAILURE", "abort"),
+                   help="abort: fail the request, stop serving, exit 3. drop: fail the request with "
+                        "DATA_LOSS, evict the blocks, keep serving [KVSEAL_ON_INTEGRITY_FAILURE]")
+    p.add_argument("--allow-uid", type=int, action="append", default=None,
+                   help="peer uid allowed on the Unix socket (repeatable; default: the daemon's own "
+                        "uid) [KVSEAL_ALLOW_UIDS=uid,uid]")
+    p.add_argument("--tls-cert", default=_env("KVSEAL_TLS_CERT"), help="server certificate (PEM), tcp:// only")
+    p.add_argument("--tls-key", default=_env("KVSEAL_TLS_KEY"), help="server key (PEM), tcp:// only")
+    p.add_argument("--tls-client-ca", default=_env("KVSEAL_TLS_CLIENT_CA"),
+                   help="CA that signs client certificates (PEM); clients must present one")
+    p.add_argument("--metrics-address", default=_env("KVSEAL_METRICS_ADDRESS"),
+                   help="serve Prometheus /metrics on HOST:PORT (off by default) [KVSEAL_METRICS_ADDRESS]")
+    p.add_argument("--workers", type=int, default=int(_env("KVSEAL_WORKERS", "0") or 0),
+                   help="CPU sealing threads (0: min(4, cores)) [KVSEAL_WORKERS]")
+    p.add_argument("--max-batch-blocks", type=int, default=4096, help="blocks per request limit")
+    p.add_argument("--max-batch-bytes", default="2GiB", help="bytes per request limit")
+    p.add_argument("--rekey-after", type=int, default=2**32,
+                   help="seals under one key before a new key epoch starts (NIST SP 800-38D margin)")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain RPCs on SIGTERM")
+    p.add_argument("--log-format", choices=("text", "json"), default=_env("KVSEAL_LOG_FORMAT", "text"),
+                   help="[KVSEAL_LOG_FORMAT]")
+    p.add_argument("--log-level", default=_env("KVSEAL_LOG_LEVEL", "INFO"), help="[KVSEAL_LOG_LEVEL]")
+    return p  # fmt: skip
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
+    args = build_parser().parse_args(argv)
+    uids: tuple[int, ...] = tuple(args.allow_uid or ())
+    if not uids and os.environ.get("KVSEAL_ALLOW_UIDS"):
+        uids = tuple(int(u) for u in os.environ["KVSEAL_ALLOW_UIDS"].split(",") if u.strip())
+    return ServerConfig(
+        listen=args.listen,
+        backend=args.backend,
+        device=args.device,
+        host_bytes=parse_size(args.host_bytes),
+        host_region=args.host_region,
+        integrity_policy=IntegrityPolicy(args.on_integrity_failure),
+        allow_uids=uids,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        metrics_address=args.metrics_address,
+        workers=args.workers,
+        max_batch_blocks=args.max_batch_blocks,
+        max_batch_bytes=parse_size(args.max_batch_bytes),
+        rekey_after=args.rekey_after,
+        grace_seconds=args.grace,
+        log_format=args.log_format,
+        log_level=args.log_level.upper(),
+    )
+
+
+# ------------------------------------------------------------------ process
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line. Messages never contain key material or
+    cache salts: the code that logs passes only ids, counts and digests."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, separators=(",", ":"))
+
+
+def setup_logging(cfg: ServerConfig) -> None:
+    h = logging.StreamHandler(sys.stderr)
+    if cfg.log_format == "json":
+        h.setFormatter(JsonFormatter())
+    else:
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [h]
+    root.setLevel(cfg.log_level)
+
+
+def harden_process() -> None:
+    """Keep key material out of core dumps and away from same-uid debuggers."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_DUMPABLE, 0) failed: errno %d", ctypes.get_errno())
+
+
+def sd_notify(state: str) -> None:
+    """systemd readiness protocol (Type=notify); no-op without NOTIFY_SOCKET."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        try:
+            s.sendto(state.encode(), addr)
+        except OSError as e:
+            log.warning("sd_notify(%s) failed: %s", state, e)
+
+
+def make_backend(cfg: ServerConfig, sealer: sealing.BlockSealer) -> Backend:
+    if cfg.backend in ("cuda", "auto"):
+        reason = "the CUDA backend is not part of this build yet"
+        if cfg.backend == "cuda":
+            raise SystemExit(f"kvseal-server: --backend cuda: {reason}")
+        log.info("backend auto: using cpu (%s)", reason)
+    return CpuBackend(sealer, cfg.effective_workers)
+
+
+def _prepare_unix_dir(path: str) -> None:
+    d = os.path.dirname(path) or "."
+    if not os.path.isdir(d):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise SystemExit(f"kvseal-server: socket directory {d} is world-writable: refusing to use it")
+
+
+# ------------------------------------------------------------------ server
+
+
+@dataclass
+class Daemon:
+    """A running daemon; ``create`` builds and binds it, ``wait`` blocks."""
+
+    cfg: ServerConfig
+    cache: SealedCache
+    server: grpc.Server
+    health: health.HealthServicer
+    gate: PeerCredGate | None
+    instance: str
+    private_dir: str | None
+    stop_event: threading.Event
+    exit_code: int = 0
+
+    @classmethod
+    def create(cls, cfg: ServerConfig) -> Daemon:
+        sealing.self_test()
+        sealer = sealing.BlockSealer(cfg.rekey_after)
+        backend = make_backend(cfg, sealer)
+        try:
+            region = HostRegion(cfg.host_bytes, cfg.host_region)
+        except RegionError as e:
+            backend.close()
+            raise SystemExit(f"kvseal-server: {e}") from e
+        stop_event = threading.Event()
+        instance = secrets.token_hex(8)
+        holder: list[Daemon] = []
+
+        def on_abort() -> None:
+            if holder:
+                holder[0].begin_shutdown(EXIT_INTEGRITY)
+
+        cache = SealedCache(cfg, backend, region, sealer, on_integrity_abort=on_abort)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(cfg.grpc_threads, thread_name_prefix="kvseal-rpc"),
+            options=[
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=cfg.grpc_threads * 4,
+        )
+        pb_grpc.add_KVSealServicer_to_server(KVSealServicer(cache, instance), server)
+        health_servicer = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        gate = None
+        private_dir = None
+        if cfg.unix_path is not None:
+            _prepare_unix_dir(cfg.unix_path)
+            # gRPC's own socket lives in a 0700 directory: only this uid can
+            # bypass the gate, and the gate admits only allowed uids.
+            private_dir = os.path.join(os.path.dirname(cfg.unix_path), f".kvseal-{os.getpid()}")
+            os.makedirs(private_dir, mode=0o700, exist_ok=True)
+            os.chmod(private_dir, 0o700)
+            internal = os.path.join(private_dir, "grpc.sock")
+            server.add_insecure_port("unix://" + internal)
+            gate = PeerCredGate(cfg.unix_path, internal, cfg.effective_allow_uids)
+        else:
+            assert cfg.tls_cert and cfg.tls_key and cfg.tls_client_ca  # checked by ServerConfig
+            with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c, open(cfg.tls_client_ca, "rb") as ca:
+                creds = grpc.ssl_server_credentials(
+                    [(k.read(), c.read())], root_certificates=ca.read(), require_client_auth=True
+                )
+            address = cfg.listen[len("tcp://") :]
+            if server.add_secure_port(address, creds) == 0:
+                raise SystemExit(f"kvseal-server: cannot listen on {address}")
+        daemon = cls(cfg, cache, server, health_servicer, gate, instance, private_dir, stop_event)
+        holder.append(daemon)
+        return daemon
+
+    def start(self) -> None:
+        self.server.start()
+        if self.gate is not None:
+            self.gate.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "kvseal serving on %s (instance %s, %s, host tier %d bytes in %s, integrity policy %s)",
+            self.cfg.listen, self.instance, self.cache.backend.detail, self.cfg.host_bytes,
+            self.cache.region.description, self.cfg.integrity_policy.value,
+        )  # fmt: skip
+        sd_notify("READY=1\nSTATUS=serving")
+
+    def begin_shutdown(self, exit_code: int = 0) -> None:
+        """Idempotent; callable from any thread (signal handler, RPC thread)."""
+        if exit_code and not self.exit_code:
+            self.exit_code = exit_code
+        self.health.enter_graceful_shutdown()
+        self.stop_event.set()
+
+    def wait(self) -> int:
+        self.stop_event.wait()
+        sd_notify("STOPPING=1")
+        log.info("shutting down: draining for up to %.1fs", self.cfg.grace_seconds)
+        self.server.stop(self.cfg.grace_seconds).wait()
+        self.cache.stop_serving()
+        if self.gate is not None:
+            self.gate.stop()
+        self.cache.close()
+        if self.private_dir is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.private_dir, "grpc.sock"))
+            with contextlib.suppress(OSError):
+                os.rmdir(self.private_dir)
+        log.info("stopped (exit status %d)", self.exit_code)
+        return self.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = config_from_args(argv)
+    except ValueError as e:
+        print(f"kvseal-server: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    setup_logging(cfg)
+    harden_process()
+    daemon = Daemon.create(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: daemon.begin_shutdown())
+    daemon.start()
+    return daemon.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

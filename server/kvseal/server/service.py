@@ -1,0 +1,185 @@
+"""The gRPC edge: ``kvseal.v1.KVSeal`` handlers over a :class:`SealedCache`.
+
+Handlers are thin: convert, call the cache, convert back. Every domain error
+becomes its status code (table in ``errors``) plus the machine-readable
+reason in trailing metadata; anything unexpected becomes INTERNAL with a
+generic message (details go to the log, never to the client).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from kvseal.server import convert
+from kvseal.server.cache import SealedCache
+from kvseal.server.errors import ERROR_METADATA_KEY, EventsOverflow, KVSealError, ShuttingDown
+from kvseal.v1 import kvseal_pb2 as pb
+from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvseal.service")
+R = TypeVar("R")
+Hook = Callable[[str, grpc.StatusCode], None]
+
+
+def _abort(context: grpc.ServicerContext, err: KVSealError) -> Any:
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, err.reason),))
+    context.abort(err.code, err.message)
+
+
+def handler(fn: Callable[..., R]) -> Callable[..., R]:
+    """Map exceptions to statuses; report (method, code) to ``self.on_done``."""
+
+    @functools.wraps(fn)
+    def wrapper(self: KVSealServicer, request: Any, context: grpc.ServicerContext) -> R:
+        code = grpc.StatusCode.OK
+        try:
+            return fn(self, request, context)
+        except KVSealError as e:
+            code = e.code
+            return _abort(context, e)  # type: ignore[no-any-return]
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            if context.code() is not None:  # already aborted by grpc itself
+                raise
+            log.exception("internal error in %s", fn.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, "internal error in kvseal (see daemon log)")
+            raise
+        finally:
+            if self.on_done is not None:
+                self.on_done(fn.__name__, code)
+
+    return wrapper
+
+
+class KVSealServicer(pb_grpc.KVSealServicer):
+    def __init__(self, cache: SealedCache, instance: str, on_done: Hook | None = None) -> None:
+        self.cache = cache
+        self.instance = instance
+        self.on_done = on_done
+
+    @handler
+    def RegisterPool(self, request: pb.RegisterPoolRequest, context: grpc.ServicerContext) -> pb.RegisterPoolReply:
+        spec = convert.pool_spec(request, self.cache.backend.kind)
+        reg = self.cache.register_pool(spec)
+        return pb.RegisterPoolReply(
+            pool_id=reg.pool_id,
+            namespace=reg.namespace,
+            block_bytes=reg.block_bytes,
+            backend=convert.BACKEND_ENUMS[self.cache.backend.kind],
+            server_instance=self.instance,
+        )
+
+    @handler
+    def UnregisterPool(self, request: pb.UnregisterPoolRequest, context: grpc.ServicerContext) -> pb.UnregisterPoolReply:
+        self.cache.unregister_pool(request.pool_id)
+        return pb.UnregisterPoolReply()
+
+    @handler
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+        hit, states = self.cache.lookup(request.pool_id, request.tenant, list(request.block_hashes))
+        return pb.LookupReply(hit_blocks=hit, states=[convert.STATE_ENUMS[s] for s in states])
+
+    @handler
+    def Touch(self, request: pb.TouchRequest, context: grpc.ServicerContext) -> pb.TouchReply:
+        n = self.cache.touch(request.pool_id, request.tenant, list(request.block_hashes))
+        return pb.TouchReply(touched=n)
+
+    @handler
+    def Offload(self, request: pb.OffloadRequest, context: grpc.ServicerContext) -> pb.OffloadReply:
+        res = self.cache.offload(
+            request.pool_id,
+            request.tenant,
+            request.parent_hash or None,
+            list(request.block_hashes),
+            list(request.page_ids),
+        )
+        return pb.OffloadReply(
+            outcomes=[convert.OUTCOME_ENUMS[o] for o in res.outcomes],
+            stored_blocks=res.stored_blocks,
+            stored_bytes=res.stored_bytes,
+            evicted_blocks=res.evicted_blocks,
+        )
+
+    @handler
+    def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreReply:
+        res = self.cache.restore(
+            request.pool_id,
+            request.tenant,
+            list(request.block_hashes),
+            list(request.page_ids),
+            release=request.release,
+        )
+        return pb.RestoreReply(restored_blocks=res.restored_blocks, restored_bytes=res.restored_bytes)
+
+    @handler
+    def Drop(self, request: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropReply:
+        n = self.cache.drop(
+            request.pool_id,
+            request.tenant,
+            list(request.block_hashes),
+            all_of_tenant=request.all_of_tenant,
+        )
+        return pb.DropReply(dropped_blocks=n)
+
+    @handler
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+        c = self.cache.counters
+        ix = self.cache.index.stats()
+        sealer = self.cache.sealer
+        return pb.StatsReply(
+            server_instance=self.instance,
+            backend=convert.BACKEND_ENUMS[self.cache.backend.kind],
+            backend_detail=self.cache.backend.detail,
+            host_bytes_capacity=ix.capacity_bytes,
+            host_bytes_used=ix.used_bytes,
+            blocks_ready=ix.ready,
+            blocks_pending=ix.pending,
+            blocks_pinned=ix.pinned,
+            pools=len(self.cache.pools),
+            lookups=c.lookups,
+            lookup_hit_blocks=c.lookup_hit_blocks,
+            offloaded_blocks=c.offloaded_blocks,
+            offloaded_bytes=c.offloaded_bytes,
+            restored_blocks=c.restored_blocks,
+            restored_bytes=c.restored_bytes,
+            evicted_blocks=c.evicted_blocks,
+            dropped_blocks=c.dropped_blocks,
+            integrity_failures=c.integrity_failures,
+            integrity_policy=self.cache.config.integrity_policy.value,
+            key_epoch=sealer.current_epoch,
+            seals_under_current_key=sealer.seals_under_current_key,
+            rekey_after=sealer.rekey_after,
+            host_region=self.cache.region.description,
+        )
+
+    def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.BlockEvent]:
+        if request.tenant and len(request.tenant) != 32:
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, "BAD_REQUEST"),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant must be empty or 32 bytes")
+        sub = self.cache.events.subscribe(bytes(request.tenant))
+        if sub is None:
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, "CAPACITY_EXHAUSTED"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many event watchers")
+        assert sub is not None
+        try:
+            # Tell the client the subscription is live before any event: lets
+            # it order "subscribe, then resync" without a race.
+            context.send_initial_metadata((("kvseal-watch", "subscribed"),))
+            while context.is_active():
+                if not self.cache.serving:
+                    _abort(context, ShuttingDown("kvseal is shutting down"))
+                if sub.overflowed and sub.queue.empty():
+                    _abort(context, EventsOverflow("event watcher fell behind; resubscribe and resync"))
+                try:
+                    ev = sub.queue.get(timeout=0.25)
+                except queue.Empty:
+                    continue
+                yield convert.event(ev)
+        finally:
+            sub.close()
