@@ -29,6 +29,7 @@ from typing import Protocol, TypeVar
 
 from kvseal.server.errors import HandleUnusable
 from kvseal.server.hostregion import Extent, HostRegion
+from kvseal.server.memcopy import Pinned, memmove
 from kvseal.server.pools import MappedPool, PoolSpec
 from kvseal.server.sealing import (
     TAG_BYTES,
@@ -77,32 +78,38 @@ class CpuMappedPool:
     """A pool whose buffers live in POSIX shared memory (``/dev/shm``).
 
     The daemon maps each shared-memory object once, read-write, and checks
-    that every buffer fits inside it. Gather/scatter copy whole segments with
-    one ``memcpy`` each (memoryview slice assignment).
+    that every buffer fits inside it (the segments were checked against the
+    buffers at registration), so gather/scatter can copy by address with
+    ``memmove``, which releases the GIL.
     """
 
     def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
         self._maps: dict[str, mmap.mmap] = {}
-        self._views: list[memoryview] = []
+        self._pins: dict[str, Pinned] = {}
+        self._segments: list[tuple[int, int, int]] = []  # (address of page 0, stride, bytes)
         try:
+            bases = []
             for i, b in enumerate(spec.geometry.buffers):
-                assert b.shm_name is not None  # validated: CPU buffers name shm objects
+                if b.shm_name is None:  # pragma: no cover - validated at registration
+                    raise HandleUnusable(f"geometry.buffers[{i}] has no shm_name")
                 m = self._maps.get(b.shm_name)
                 if m is None:
                     m = self._map(b.shm_name)
                     self._maps[b.shm_name] = m
+                    self._pins[b.shm_name] = Pinned(m)
                 if b.offset + b.size > len(m):
                     raise HandleUnusable(
                         f"geometry.buffers[{i}] spans bytes [{b.offset}, {b.offset + b.size}) "
                         f"but shared memory {b.shm_name!r} has {len(m)} bytes"
                     )
-                self._views.append(memoryview(m)[b.offset : b.offset + b.size])
+                bases.append(self._pins[b.shm_name].address + b.offset)
         except BaseException:
             self.close()
             raise
-        g = spec.geometry
-        self._segments = [(self._views[s.buffer], s.offset, s.page_stride, s.bytes) for s in g.segments]
+        self._segments = [
+            (bases[s.buffer] + s.offset, s.page_stride, s.bytes) for s in spec.geometry.segments
+        ]
 
     @staticmethod
     def _map(name: str) -> mmap.mmap:
@@ -119,42 +126,75 @@ class CpuMappedPool:
         finally:
             os.close(fd)
 
-    def gather(self, page: int, out: memoryview) -> None:
+    def gather(self, page: int, dst: int) -> None:
+        """Copy page ``page`` (checked by the caller) to private memory at ``dst``."""
         pos = 0
-        for view, off, stride, n in self._segments:
-            start = off + page * stride
-            out[pos : pos + n] = view[start : start + n]
+        for base, stride, n in self._segments:
+            memmove(dst + pos, base + page * stride, n)
             pos += n
 
-    def scatter(self, page: int, data: memoryview) -> None:
+    def scatter(self, page: int, src: int) -> None:
+        """Copy one block of plaintext at ``src`` into page ``page``."""
         pos = 0
-        for view, off, stride, n in self._segments:
-            start = off + page * stride
-            view[start : start + n] = data[pos : pos + n]
+        for base, stride, n in self._segments:
+            memmove(base + page * stride, src + pos, n)
             pos += n
 
     def close(self) -> None:
-        for v in self._views:
-            v.release()
-        self._views.clear()
         self._segments = []
+        for pin in self._pins.values():
+            pin.release()
+        self._pins.clear()
         for m in self._maps.values():
             m.close()
         self._maps.clear()
 
 
 class _Scratch(threading.local):
-    """Per-thread private buffers, grown on demand and reused."""
+    """One private buffer per sealing thread (block + tag), grown on demand.
+
+    Sealing runs in place in it (``cryptography``/OpenSSL support exact
+    in-place AES-GCM; a test pins that down): one buffer instead of two
+    keeps the working set in cache.
+    """
 
     def __init__(self) -> None:
-        self.plain = bytearray()
-        self.sealed = bytearray()
+        self.buf = bytearray()
+        self.pin: Pinned | None = None
 
-    def get(self, n: int) -> tuple[memoryview, memoryview]:
-        if len(self.plain) < n:
-            self.plain = bytearray(n)
-            self.sealed = bytearray(n + TAG_BYTES)
-        return memoryview(self.plain)[:n], memoryview(self.sealed)[: n + TAG_BYTES]
+    def get(self, n: int) -> tuple[memoryview, int]:
+        """(view of n + 16 bytes, its address)."""
+        if len(self.buf) < n + TAG_BYTES:
+            if self.pin is not None:
+                self.pin.release()
+            self.buf = bytearray(n + TAG_BYTES)
+            self.pin = Pinned(self.buf)
+        assert self.pin is not None
+        return memoryview(self.buf)[: n + TAG_BYTES], self.pin.address
+
+
+class _StagingPool:
+    """Reusable private restore buffers: a fresh 64 MiB ``bytearray`` costs
+    a zero-fill and page faults (slower than the AES itself). Keeps at most
+    ``limit`` bytes idle; larger or surplus buffers are simply dropped."""
+
+    def __init__(self, limit: int) -> None:
+        self._lock = threading.Lock()
+        self._free: list[bytearray] = []
+        self._limit = limit
+
+    def take(self, n: int) -> bytearray:
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if len(b) >= n:
+                    return self._free.pop(i)
+        return bytearray(n)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if sum(len(b) for b in self._free) + len(buf) <= self._limit:
+                self._free.append(buf)
+                self._free.sort(key=len)
 
 
 class CpuBackend:
@@ -162,9 +202,10 @@ class CpuBackend:
 
     Offload per block: gather pages into private plaintext scratch, seal into
     private ciphertext scratch, publish the ciphertext with one write.
-    Restore per request: snapshot each ciphertext into private memory, open it
-    into a private per-request staging buffer (this both verifies and
-    decrypts), and scatter into the pool only when every block verified.
+    Every step releases the GIL, so the threads run in parallel.
+    Restore per request: snapshot each ciphertext into a private per-request
+    staging buffer, open it there in place (this both verifies and decrypts),
+    and scatter into the pool only when every block verified.
     """
 
     kind = "cpu"
@@ -174,6 +215,7 @@ class CpuBackend:
         self._workers = max(1, workers)
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="kvseal-seal")
         self._scratch = _Scratch()
+        self._staging = _StagingPool(limit=1 << 30)
         self.detail = f"cpu: AES-256-GCM (cryptography), {self._workers} sealing threads"
 
     def map_pool(self, spec: PoolSpec) -> CpuMappedPool:
@@ -201,9 +243,9 @@ class CpuBackend:
         def work(a: int, b: int) -> list[SealRecord]:
             records = []
             for blk in blocks[a:b]:
-                plain, sealed = self._scratch.get(blk.size)
-                pool.gather(blk.page, plain)
-                rec = self._sealer.seal_into(plain, blk.ad, sealed)
+                sealed, addr = self._scratch.get(blk.size)
+                pool.gather(blk.page, addr)
+                rec = self._sealer.seal_into(sealed[: blk.size], blk.ad, sealed)
                 region.write(blk.extent.offset, sealed[: blk.size])
                 records.append(rec)
             return records
@@ -220,29 +262,38 @@ class CpuBackend:
         assert isinstance(pool, CpuMappedPool)
         offsets = [0]
         for blk in blocks:
-            offsets.append(offsets[-1] + blk.size)
-        staging = memoryview(bytearray(offsets[-1]))  # private plaintext until all verified
+            offsets.append(offsets[-1] + blk.size + TAG_BYTES)
+        # Private staging for the whole request: ciphertext is snapshotted
+        # here, then opened in place; plaintext stays here until every block
+        # has verified, so a failure anywhere writes nothing to the pool.
+        staging_buf = self._staging.take(offsets[-1])
+        staging = memoryview(staging_buf)
 
         def work(a: int, b: int) -> list[int]:
             failed = []
             for i in range(a, b):
                 blk, rec = blocks[i], records[i]
-                _, sealed = self._scratch.get(blk.size)
+                sealed = staging[offsets[i] : offsets[i + 1]]
                 got = region.read_into(blk.extent.offset, sealed[: blk.size])
                 sealed[blk.size :] = rec.tag
-                out = staging[offsets[i] : offsets[i + 1]]
                 try:
                     if got != blk.size:  # host shrank the region: same as tampering
                         raise AuthenticationFailed("short read")
-                    self._sealer.open_into(rec, blk.ad, sealed, out)
+                    self._sealer.open_into(rec, blk.ad, sealed, sealed[: blk.size])
                 except AuthenticationFailed:
                     failed.append(i)
             return failed
 
-        failed = self._parallel(len(blocks), work)
-        if not failed:
-            for i, blk in enumerate(blocks):
-                pool.scatter(blk.page, staging[offsets[i] : offsets[i + 1]])
+        try:
+            failed = self._parallel(len(blocks), work)
+            if not failed:
+                pin = Pinned(staging_buf)
+                for i, blk in enumerate(blocks):
+                    pool.scatter(blk.page, pin.address + offsets[i])
+                pin.release()
+        finally:
+            staging.release()
+            self._staging.give(staging_buf)
         return failed
 
     def close(self) -> None:

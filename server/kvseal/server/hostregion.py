@@ -9,21 +9,26 @@ any time (in a confidential VM it is shared, unencrypted memory). So:
   with one copy (``read_into``) and only that snapshot is authenticated and
   decrypted, so the host cannot change bytes between check and use;
 - the host can also shrink a backing file; reads then come back short, which
-  the caller treats exactly like tampering (never a crash: we use
-  ``pread``/``pwrite`` on a file descriptor rather than a memory map, which
-  would raise SIGBUS on a truncated file).
+  the caller treats exactly like tampering (never a crash).
 
-On the CPU backend the region is a ``memfd`` (anonymous) or a file given with
-``--host-region`` (mode 0600), which is how tests play the hypervisor.
+On the CPU backend the region is either an anonymous ``memfd``, sealed
+against shrinking (``F_SEAL_SHRINK``) and accessed through a memory map with
+plain ``memcpy``; or a file given with ``--host-region`` (mode 0600), which is
+how tests play the hypervisor, accessed with ``pread``/``pwrite`` because a
+memory map of a file someone else can truncate raises SIGBUS.
 """
 
 from __future__ import annotations
 
 import bisect
+import fcntl
+import mmap
 import os
 import stat
 import threading
 from dataclasses import dataclass
+
+from kvseal.server.memcopy import Pinned, memmove
 
 SLOT_ALIGN = 256  # keeps slots aligned for DMA engines and AVX stores
 
@@ -126,8 +131,12 @@ class HostRegion:
             raise RegionError("host region capacity must be positive")
         self.capacity = capacity
         self.path = path
+        self._map: mmap.mmap | None = None
+        self._pin: Pinned | None = None
         if path is None:
-            self._fd = os.memfd_create("kvseal-host-region", os.MFD_CLOEXEC)
+            self._fd = os.memfd_create(
+                "kvseal-host-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+            )
             self.description = "anonymous memfd"
         else:
             flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -147,11 +156,22 @@ class HostRegion:
         except OSError as e:
             os.close(self._fd)
             raise RegionError(f"cannot size host region to {capacity} bytes: {e.strerror}") from e
+        if path is None:
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            self._map = mmap.mmap(self._fd, capacity, mmap.MAP_SHARED)
+            self._pin = Pinned(self._map)
         self._closed = threading.Event()
 
     def write(self, offset: int, data: memoryview) -> None:
         """Publish ``data`` (ciphertext, private buffer) at ``offset``."""
         view = data.cast("B") if data.format != "B" else data
+        if not 0 <= offset <= self.capacity - len(view):
+            raise RegionError(f"write of {len(view)} bytes at {offset} is outside the region")
+        if self._pin is not None:
+            src = Pinned(view)
+            memmove(self._pin.address + offset, src.address, len(view))
+            src.release()
+            return
         done = 0
         while done < len(view):
             n = os.pwrite(self._fd, view[done:], offset + done)
@@ -165,6 +185,12 @@ class HostRegion:
         Returns the number of bytes read, which is short if the host shrank
         the backing file; the caller must then treat the slot as tampered.
         """
+        if self._pin is not None:
+            n = max(0, min(len(out), self.capacity - offset))
+            dst = Pinned(out)
+            memmove(dst.address, self._pin.address + offset, n)
+            dst.release()
+            return n
         done = 0
         while done < len(out):
             n = os.preadv(self._fd, [out[done:]], offset + done)
@@ -176,4 +202,8 @@ class HostRegion:
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
+            if self._pin is not None:
+                self._pin.release()
+            if self._map is not None:
+                self._map.close()
             os.close(self._fd)

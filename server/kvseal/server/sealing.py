@@ -6,9 +6,9 @@ key, and never choose a nonce: :meth:`BlockSealer.seal_into` allocates one.
 Format v1 (shared byte-for-byte with the GPU kernels, see docs/gpu-kernels.md):
 
 - key: 32 random bytes per *key epoch*, from the OS CSPRNG (``getrandom``)
-  written straight into a ctypes buffer that is zeroed once the cipher object
-  holds the key; it is never logged, returned, or written anywhere. A daemon
-  restart therefore means a new key and an empty cache.
+  written straight into a ctypes buffer (never an immutable ``bytes``) that
+  is wiped as soon as the cipher object has copied it; it is never logged,
+  returned, or written anywhere. A daemon restart therefore means a new key and an empty cache.
 - nonce (12 bytes): a random 4-byte prefix drawn per epoch || a 64-bit
   big-endian counter. Unique under a key by construction (the counter never
   repeats within an epoch, and each epoch has its own key); the prefix is
@@ -117,6 +117,9 @@ def _fill_random(buf: ctypes.Array[ctypes.c_char]) -> None:
 
 
 class _Epoch:
+    """One key and its nonce counter. ``AESGCM`` copies the key into its own
+    memory; the ctypes buffer it came through is wiped at once."""
+
     __slots__ = ("aead", "counter", "index", "live", "prefix")
 
     def __init__(self, index: int) -> None:
@@ -187,6 +190,8 @@ class BlockSealer:
     def seal_into(self, plaintext: memoryview, ad: BlockAD, out: memoryview) -> SealRecord:
         """Encrypt ``plaintext`` into ``out`` (``len(plaintext) + 16`` bytes:
         ciphertext then the tag, which is also returned in the record).
+        ``plaintext`` may be exactly ``out[:len(plaintext)]`` (in place); any
+        other overlap is undefined.
 
         ``out`` must be private memory (see module docstring). The caller owns
         both buffers; on exception nothing is recorded and the nonce is
@@ -209,6 +214,7 @@ class BlockSealer:
         """Authenticate and decrypt ``sealed`` (ciphertext || tag, private
         memory) into ``out`` (``len(sealed) - 16`` bytes, private memory).
 
+        ``out`` may be exactly ``sealed[:len(out)]`` (in place).
         Raises :class:`AuthenticationFailed` if anything does not match; the
         contents of ``out`` are then unspecified and must not be used.
         """

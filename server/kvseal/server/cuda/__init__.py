@@ -1,0 +1,2 @@
+"""GPU data path of kvseal: AES-256-GCM seal/verify/open kernels, their CPU emulation
+(:mod:`kvseal.server.cuda.emulated`) and NVRTC compilation (:mod:`kvseal.server.cuda.compile`)."""
