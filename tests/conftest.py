@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
 from kvseal.client.shm import KVShape, SharedKVPool
 
@@ -61,7 +60,9 @@ class DaemonProc:
         return self.proc.returncode
 
 
-def wait_serving(target: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 20.0) -> None:
+def wait_serving(
+    target: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 20.0
+) -> None:
     deadline = time.monotonic() + timeout
     with KVSealClient(ClientConfig(target=target, timeout_s=0.5)) as c:
         while time.monotonic() < deadline:
@@ -76,13 +77,30 @@ def wait_serving(target: str, proc: subprocess.Popen[bytes], log_path: Path, tim
     raise RuntimeError(f"daemon did not become SERVING:\n{log_path.read_text()}")
 
 
-def start_daemon(workdir: Path, *extra: str, region: bool = False, host_bytes: str = "256MiB",
-                 socket_name: str = "kvseal.sock", wait: bool = True) -> DaemonProc:  # fmt: skip
+def start_daemon(
+    workdir: Path,
+    *extra: str,
+    region: bool = False,
+    host_bytes: str = "256MiB",
+    socket_name: str = "kvseal.sock",
+    wait: bool = True,
+) -> DaemonProc:
     workdir.mkdir(parents=True, exist_ok=True)
     sock = str(workdir / "run" / socket_name)
     region_path = workdir / "host-region.bin" if region else None
-    args = [sys.executable, "-m", "kvseal.server", "--listen", "unix://" + sock, "--backend", "cpu",
-            "--host-bytes", host_bytes, "--grace", "2"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "kvseal.server",
+        "--listen",
+        "unix://" + sock,
+        "--backend",
+        "cpu",
+        "--host-bytes",
+        host_bytes,
+        "--grace",
+        "2",
+    ]
     if region_path is not None:
         args += ["--host-region", str(region_path)]
     args += list(extra)
@@ -123,8 +141,12 @@ def daemon(daemon_factory: Callable[..., DaemonProc]) -> DaemonProc:
 def pool_factory() -> Iterator[Callable[..., SharedKVPool]]:
     pools: list[SharedKVPool] = []
 
-    def factory(num_pages: int = 8, layout: str = "vllm_per_layer", geometry: dict[str, int] | None = None,
-                dtype: str = "bfloat16") -> SharedKVPool:  # fmt: skip
+    def factory(
+        num_pages: int = 8,
+        layout: str = "vllm_per_layer",
+        geometry: dict[str, int] | None = None,
+        dtype: str = "bfloat16",
+    ) -> SharedKVPool:
         shape = KVShape(num_pages=num_pages, dtype=dtype, **(geometry or SMALL))
         p = SharedKVPool(shape, layout, name_prefix="kvseal-test")
         pools.append(p)

@@ -10,12 +10,11 @@ from typing import Any
 
 import grpc
 import pytest
-
 from kvseal.client import KVSealClient, KVSealRpcError, chain_block_hashes, tenant_digest
 from kvseal.client.shm import SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
 
-from .conftest import DaemonProc, fill_random
+from .conftest import fill_random
 
 FP = b"model:test"
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -36,7 +35,15 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tenant = tenant_digest("t")
     chain = chain_block_hashes(list(os.urandom(8 * 4)), 4, cache_salt="t")
     c.offload(h.pool_id, tenant, chain[:4], [0, 1, 2, 3])
-    yield {"d": d, "c": c, "pool": pool, "pool_id": h.pool_id, "tenant": tenant, "chain": chain, "data": data}
+    yield {
+        "d": d,
+        "c": c,
+        "pool": pool,
+        "pool_id": h.pool_id,
+        "tenant": tenant,
+        "chain": chain,
+        "data": data,
+    }
     c.close()
     pool.close()
     d.stop()
@@ -48,12 +55,26 @@ def _snapshot(env: dict[str, Any]) -> tuple[Any, ...]:
     pool: SharedKVPool = env["pool"]
     pages = tuple(pool.read_block(p) for p in range(pool.shape.num_pages))
     lk = c.lookup(env["pool_id"], env["tenant"], env["chain"])
-    return (s.blocks_ready, s.blocks_pending, s.blocks_pinned, s.host_bytes_used, s.offloaded_blocks,
-            s.restored_blocks, s.pools, tuple(lk.states), pages)  # fmt: skip
+    return (
+        s.blocks_ready,
+        s.blocks_pending,
+        s.blocks_pinned,
+        s.host_bytes_used,
+        s.offloaded_blocks,
+        s.restored_blocks,
+        s.pools,
+        tuple(lk.states),
+        pages,
+    )
 
 
-def _expect(env: dict[str, Any], code: grpc.StatusCode, reason: str, fn: Callable[[KVSealClient], object],
-            words: str) -> None:  # fmt: skip
+def _expect(
+    env: dict[str, Any],
+    code: grpc.StatusCode,
+    reason: str,
+    fn: Callable[[KVSealClient], object],
+    words: str,
+) -> None:
     before = _snapshot(env)
     with pytest.raises(KVSealRpcError) as e:
         fn(env["c"])
@@ -70,8 +91,12 @@ H = os.urandom(32)
 def test_unknown_pool(env: dict[str, Any]) -> None:
     t = env["tenant"]
     _expect(env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.lookup("nope", t, [H]), "not registered")
-    _expect(env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.offload("nope", t, [H], [0]), "not registered")
-    _expect(env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.restore("nope", t, [H], [0]), "not registered")
+    _expect(
+        env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.offload("nope", t, [H], [0]), "not registered"
+    )
+    _expect(
+        env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.restore("nope", t, [H], [0]), "not registered"
+    )
     _expect(env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.drop("nope", t, [H]), "not registered")
     _expect(env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.touch("nope", t, [H]), "not registered")
     _expect(env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.unregister_pool("nope"), "not registered")
@@ -82,15 +107,20 @@ def test_page_out_of_range_checked_before_any_copy(env: dict[str, Any], op: str)
     ch, t, pid = env["chain"], env["tenant"], env["pool_id"]
     hashes = ch[:2] if op == "restore" else ch[4:6]
     for bad in (8, 2**31, 4_000_000_000):
-        _expect(env, INVALID, "PAGE_OUT_OF_RANGE", lambda c, b=bad: getattr(c, op)(pid, t, hashes, [0, b]),
-                "out of range")  # fmt: skip
+        _expect(
+            env,
+            INVALID,
+            "PAGE_OUT_OF_RANGE",
+            lambda c, b=bad: getattr(c, op)(pid, t, hashes, [0, b]),
+            "out of range",
+        )
 
 
 @pytest.mark.parametrize("op", ["offload", "restore"])
 def test_batch_shape_errors(env: dict[str, Any], op: str) -> None:
     ch, t, pid = env["chain"], env["tenant"], env["pool_id"]
     hashes = ch[:2] if op == "restore" else ch[4:6]
-    call = lambda hs, ps: (lambda c: getattr(c, op)(pid, t, hs, ps))  # noqa: E731
+    call = lambda hs, ps: lambda c: getattr(c, op)(pid, t, hs, ps)  # noqa: E731
     _expect(env, INVALID, "BAD_REQUEST", call(hashes, [0]), "page_ids")
     _expect(env, INVALID, "BAD_REQUEST", call([hashes[0], hashes[0]], [0, 1]), "repeats")
     _expect(env, INVALID, "BAD_REQUEST", call(hashes, [5, 5]), "repeats")
@@ -98,22 +128,47 @@ def test_batch_shape_errors(env: dict[str, Any], op: str) -> None:
     _expect(env, INVALID, "BAD_REQUEST", call([], []), "empty")
     nine = [os.urandom(32) for _ in range(9)]
     _expect(env, INVALID, "BAD_REQUEST", call(nine, list(range(9))), "limit 8")
-    _expect(env, INVALID, "BAD_REQUEST", lambda c: getattr(c, op)(pid, b"x" * 31, hashes, [0, 1]), "tenant")
+    _expect(
+        env,
+        INVALID,
+        "BAD_REQUEST",
+        lambda c: getattr(c, op)(pid, b"x" * 31, hashes, [0, 1]),
+        "tenant",
+    )
 
 
 def test_bad_parent_hash_and_drop_flags(env: dict[str, Any]) -> None:
     ch, t, pid = env["chain"], env["tenant"], env["pool_id"]
-    _expect(env, INVALID, "BAD_REQUEST", lambda c: c.offload(pid, t, ch[4:5], [4], parent_hash=b"x" * 5),
-            "parent_hash")  # fmt: skip
-    _expect(env, INVALID, "BAD_REQUEST", lambda c: c.drop(pid, t, ch[:1], all_of_tenant=True), "not both")
+    _expect(
+        env,
+        INVALID,
+        "BAD_REQUEST",
+        lambda c: c.offload(pid, t, ch[4:5], [4], parent_hash=b"x" * 5),
+        "parent_hash",
+    )
+    _expect(
+        env,
+        INVALID,
+        "BAD_REQUEST",
+        lambda c: c.drop(pid, t, ch[:1], all_of_tenant=True),
+        "not both",
+    )
     _expect(env, INVALID, "BAD_REQUEST", lambda c: c.lookup(pid, t, [H, H]), "repeats")
 
 
 def test_restore_of_absent_or_foreign_blocks(env: dict[str, Any]) -> None:
     ch, t, pid = env["chain"], env["tenant"], env["pool_id"]
-    _expect(env, NOT_FOUND, "BLOCK_NOT_PRESENT", lambda c: c.restore(pid, t, [ch[0], ch[6]], [5, 6]), "absent")
+    _expect(
+        env,
+        NOT_FOUND,
+        "BLOCK_NOT_PRESENT",
+        lambda c: c.restore(pid, t, [ch[0], ch[6]], [5, 6]),
+        "absent",
+    )
     other = tenant_digest("other")
-    _expect(env, NOT_FOUND, "BLOCK_NOT_PRESENT", lambda c: c.restore(pid, other, ch[:1], [5]), "absent")
+    _expect(
+        env, NOT_FOUND, "BLOCK_NOT_PRESENT", lambda c: c.restore(pid, other, ch[:1], [5]), "absent"
+    )
 
 
 def test_capacity_exhausted(env: dict[str, Any]) -> None:
@@ -126,9 +181,15 @@ def test_capacity_exhausted(env: dict[str, Any]) -> None:
         c: KVSealClient = env["c"]
         h = c.register_pool("big", FP, big.geometry())
         assert big.shape.block_bytes == 512 * 1024
-        _expect(env, grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY_EXHAUSTED",
-                lambda c: c.offload(h.pool_id, env["tenant"], [os.urandom(32) for _ in range(3)], [0, 1, 2]),
-                "do not fit")  # fmt: skip
+        _expect(
+            env,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "CAPACITY_EXHAUSTED",
+            lambda c: c.offload(
+                h.pool_id, env["tenant"], [os.urandom(32) for _ in range(3)], [0, 1, 2]
+            ),
+            "do not fit",
+        )
         c.unregister_pool(h.pool_id)
     finally:
         big.close()
@@ -140,8 +201,16 @@ def _geometry(env: dict[str, Any]) -> pb.PoolGeometry:
     return g
 
 
-def _register_expect(env: dict[str, Any], g: pb.PoolGeometry, code: grpc.StatusCode, reason: str, words: str,
-                     backend: int = pb.BACKEND_UNSPECIFIED, fp: bytes = FP, name: str = "x") -> None:  # fmt: skip
+def _register_expect(
+    env: dict[str, Any],
+    g: pb.PoolGeometry,
+    code: grpc.StatusCode,
+    reason: str,
+    words: str,
+    backend: int = pb.BACKEND_UNSPECIFIED,
+    fp: bytes = FP,
+    name: str = "x",
+) -> None:
     _expect(env, code, reason, lambda c: c.register_pool(name, fp, g, backend), words)
 
 
@@ -174,7 +243,9 @@ def test_registration_errors(env: dict[str, Any]) -> None:
     _register_expect(env, g, INVALID, "BAD_REQUEST", "segments")
     _register_expect(env, _geometry(env), INVALID, "BAD_REQUEST", "model_fingerprint", fp=b"")
     _register_expect(env, _geometry(env), INVALID, "BAD_REQUEST", "name", name="bad name/")
-    _register_expect(env, _geometry(env), INVALID, "BAD_REQUEST", "cuda_ipc_handle", backend=pb.BACKEND_CUDA)
+    _register_expect(
+        env, _geometry(env), INVALID, "BAD_REQUEST", "cuda_ipc_handle", backend=pb.BACKEND_CUDA
+    )
 
 
 def test_request_after_unregister(env: dict[str, Any]) -> None:
@@ -182,5 +253,13 @@ def test_request_after_unregister(env: dict[str, Any]) -> None:
     h = c.register_pool("temp", FP, env["pool"].geometry())
     c.unregister_pool(h.pool_id)
     t = env["tenant"]
-    _expect(env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.offload(h.pool_id, t, [H], [0]), "register it again")
-    _expect(env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.unregister_pool(h.pool_id), "not registered")
+    _expect(
+        env,
+        NOT_FOUND,
+        "UNKNOWN_POOL",
+        lambda c: c.offload(h.pool_id, t, [H], [0]),
+        "register it again",
+    )
+    _expect(
+        env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.unregister_pool(h.pool_id), "not registered"
+    )

@@ -10,8 +10,12 @@ from .conftest import DaemonProc
 
 
 def _kvseal(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvseal.client.cli", *args], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvseal.client.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_health_and_stats(daemon: DaemonProc) -> None:
@@ -41,15 +45,31 @@ def test_unreachable_exit_code(tmp_path: object) -> None:
 
 
 def test_server_help_documents_flags() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvseal.server", "--help"], capture_output=True, text=True,
-                       timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "kvseal.server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0
-    for flag in ("--listen", "--backend", "--host-bytes", "--host-region", "--on-integrity-failure",
-                 "--allow-uid", "--tls-cert", "--metrics-address"):  # fmt: skip
+    for flag in (
+        "--listen",
+        "--backend",
+        "--host-bytes",
+        "--host-region",
+        "--on-integrity-failure",
+        "--allow-uid",
+        "--tls-cert",
+        "--metrics-address",
+    ):
         assert flag in r.stdout
 
 
 def test_bad_flag_values_exit_2(tmp_path: object) -> None:
-    r = subprocess.run([sys.executable, "-m", "kvseal.server", "--host-bytes", "lots"], capture_output=True,
-                       text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "kvseal.server", "--host-bytes", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "not a size" in r.stderr

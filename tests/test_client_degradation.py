@@ -19,10 +19,31 @@ FP = b"model:test"
 
 
 def _engine(target: str, pool: SharedKVPool, **kw: float) -> tuple[KVSealClient, EnginePool]:
-    cfg = ClientConfig(target=target, timeout_s=1.0, lookup_timeout_s=0.3, transfer_timeout_s=1.0,
-                       backoff_initial_s=0.05, backoff_max_s=0.2, **kw)  # type: ignore[arg-type]  # fmt: skip
+    cfg = ClientConfig(
+        target=target,
+        timeout_s=1.0,
+        lookup_timeout_s=0.3,
+        transfer_timeout_s=1.0,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+        **kw,
+    )  # type: ignore[arg-type]
     client = KVSealClient(cfg)
     return client, EnginePool(client, "engine", FP, pool.geometry())
+
+
+def _wait_stopped(pid: int) -> None:
+    """SIGSTOP is delivered asynchronously: wait until every thread stopped."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        states = [
+            Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            for t in os.listdir(f"/proc/{pid}/task")
+        ]
+        if all(s in "Tt" for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError("daemon did not stop")
 
 
 def test_daemon_absent(tmp_path: Path, pool_factory: Callable[..., SharedKVPool]) -> None:
@@ -39,7 +60,9 @@ def test_daemon_absent(tmp_path: Path, pool_factory: Callable[..., SharedKVPool]
     client.close()
 
 
-def test_hung_then_killed_mid_call(daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]) -> None:
+def test_hung_then_killed_mid_call(
+    daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]
+) -> None:
     pool = pool_factory(num_pages=4)
     fill_random(pool)
     tenant = tenant_digest(None)
@@ -48,10 +71,13 @@ def test_hung_then_killed_mid_call(daemon: DaemonProc, pool_factory: Callable[..
     assert engine.offload(tenant, chain, [0, 1, 2, 3]) is True
     poison(pool, [0, 1, 2, 3])
     os.kill(daemon.proc.pid, signal.SIGSTOP)  # the daemon hangs
+    _wait_stopped(daemon.proc.pid)
     try:
         assert engine.lookup(tenant, chain) == 0  # deadline, then a miss
         results: list[bool] = []
-        t = threading.Thread(target=lambda: results.append(engine.restore(tenant, chain, [0, 1, 2, 3])))
+        t = threading.Thread(
+            target=lambda: results.append(engine.restore(tenant, chain, [0, 1, 2, 3]))
+        )
         engine._down_until = 0.0  # let this call through despite the back-off
         t.start()
         time.sleep(0.1)  # the call is in flight against a stopped daemon
@@ -66,8 +92,9 @@ def test_hung_then_killed_mid_call(daemon: DaemonProc, pool_factory: Callable[..
     client.close()
 
 
-def test_restart_reregisters_and_cache_starts_empty(tmp_path: Path,
-                                                    pool_factory: Callable[..., SharedKVPool]) -> None:  # fmt: skip
+def test_restart_reregisters_and_cache_starts_empty(
+    tmp_path: Path, pool_factory: Callable[..., SharedKVPool]
+) -> None:
     pool = pool_factory(num_pages=2)
     data = fill_random(pool)
     tenant = tenant_digest("t")
@@ -84,9 +111,15 @@ def test_restart_reregisters_and_cache_starts_empty(tmp_path: Path,
         d2 = start_daemon(tmp_path / "a")
         try:
             deadline = time.monotonic() + 10
-            while engine.lookup(tenant, chain) == 0 and engine.handle is None and time.monotonic() < deadline:
+            while (
+                engine.lookup(tenant, chain) == 0
+                and engine.handle is None
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.05)
-            assert engine.handle is not None and engine.handle.server_instance != first.server_instance
+            assert (
+                engine.handle is not None and engine.handle.server_instance != first.server_instance
+            )
             assert engine.lookup(tenant, chain) == 0  # a restart empties the cache
             assert engine.offload(tenant, chain, [0, 1])
             poison(pool, [0, 1])
@@ -98,8 +131,9 @@ def test_restart_reregisters_and_cache_starts_empty(tmp_path: Path,
         client.close()
 
 
-def test_pool_unknown_is_reregistered_transparently(daemon: DaemonProc,
-                                                    pool_factory: Callable[..., SharedKVPool]) -> None:  # fmt: skip
+def test_pool_unknown_is_reregistered_transparently(
+    daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]
+) -> None:
     pool = pool_factory(num_pages=2)
     fill_random(pool)
     tenant = tenant_digest(None)

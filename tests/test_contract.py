@@ -9,7 +9,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from kvseal.server.service import KVSealServicer
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
@@ -20,10 +19,20 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_generated_code_matches_proto(tmp_path: Path) -> None:
     """`make proto` output is committed; fail when it drifts from proto/."""
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I", str(ROOT / "proto"), f"--python_out={tmp_path}",
-         f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}", "kvseal/v1/kvseal.proto"],
-        check=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            str(ROOT / "proto"),
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            "kvseal/v1/kvseal.proto",
+        ],
+        check=True,
+        cwd=ROOT,
+    )
     for name in ("kvseal_pb2.py", "kvseal_pb2.pyi", "kvseal_pb2_grpc.py"):
         fresh = (tmp_path / "kvseal" / "v1" / name).read_text()
         committed = (ROOT / "client" / "kvseal" / "v1" / name).read_text()
@@ -56,10 +65,21 @@ def test_client_imports_no_server_torch_or_gpu_code() -> None:
 @pytest.mark.parametrize("dist", ["client", "server"])
 def test_distributions_build_with_the_right_contents(tmp_path: Path, dist: str) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-         str(ROOT / dist)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT / dist),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     meta = next(n for n in names if n.endswith("METADATA"))
@@ -73,7 +93,10 @@ def test_distributions_build_with_the_right_contents(tmp_path: Path, dist: str) 
         assert not any(n.startswith("kvseal/server/") for n in names)
         assert not any(n == "kvseal/__init__.py" for n in names)  # namespace package
         hard = [r for r in requires if "extra ==" not in r]
-        assert sorted(r.split(">")[0].split("=")[0].split("<")[0] for r in hard) == ["grpcio", "protobuf"]
+        assert sorted(r.split(">")[0].split("=")[0].split("<")[0] for r in hard) == [
+            "grpcio",
+            "protobuf",
+        ]
     else:
         assert "kvseal/server/main.py" in names
         assert not any(n.startswith(("kvseal/client/", "kvseal/v1/")) for n in names)

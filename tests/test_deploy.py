@@ -367,11 +367,37 @@ def test_overlay_keeps_the_existing_deployment() -> None:
 # Kubernetes: optional Prometheus Operator objects (CRDs, no bundled schema)
 
 _PROMQL_WORDS = {
-    "sum", "min", "max", "avg", "count", "rate", "irate", "increase", "delta",
-    "histogram_quantile", "by", "without", "on", "ignoring", "group_left",
-    "group_right", "and", "or", "unless", "offset", "bool", "abs", "clamp_min",
-    "clamp_max", "label_values", "topk", "bottomk", "absent", "vector", "time",
-}  # fmt: skip
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "rate",
+    "irate",
+    "increase",
+    "delta",
+    "histogram_quantile",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "bool",
+    "abs",
+    "clamp_min",
+    "clamp_max",
+    "label_values",
+    "topk",
+    "bottomk",
+    "absent",
+    "vector",
+    "time",
+}
 
 
 def _promql_metric_names(expr: str) -> set[str]:

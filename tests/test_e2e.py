@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-
 from kvseal.client import KVSealRpcError, chain_block_hashes, tenant_digest
 from kvseal.client.shm import SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
@@ -48,7 +47,9 @@ def test_round_trip_realistic_geometry(
         assert is_poisoned(pool, 0) and is_poisoned(pool, 1)
 
 
-def test_lookup_prefix_and_states(daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]) -> None:
+def test_lookup_prefix_and_states(
+    daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]
+) -> None:
     pool = pool_factory(num_pages=8)
     fill_random(pool)
     tenant = tenant_digest(None)
@@ -124,8 +125,9 @@ def test_layouts_share_blocks_and_tenants_do_not(
             assert e.value.reason == "BLOCK_NOT_PRESENT"
 
 
-def test_eviction_is_lru_leaf_first(daemon_factory: Callable[..., DaemonProc],
-                                    pool_factory: Callable[..., SharedKVPool]) -> None:  # fmt: skip
+def test_eviction_is_lru_leaf_first(
+    daemon_factory: Callable[..., DaemonProc], pool_factory: Callable[..., SharedKVPool]
+) -> None:
     pool = pool_factory(num_pages=8)
     block = pool.shape.block_bytes  # 2*2*4*2*16*2 = 1 KiB: slots are 1 KiB (256-aligned)
     capacity_blocks = 1024 * 1024 // block
@@ -185,12 +187,16 @@ def test_events_stream(daemon: DaemonProc, pool_factory: Callable[..., SharedKVP
         t.join(10)
     assert [e.kind for e in events] == [pb.BLOCK_STORED, pb.BLOCK_REMOVED]
     assert list(events[0].block_hashes) == chain
-    assert events[1].reason == pb.REMOVED_DROPPED and list(events[1].block_hashes) == chain  # cascade
+    assert (
+        events[1].reason == pb.REMOVED_DROPPED and list(events[1].block_hashes) == chain
+    )  # cascade
     assert events[1].sequence == events[0].sequence + 1
     assert events[0].medium == "cpu" and events[0].tenant == tenant
 
 
-def test_pool_replaced_by_name_and_unregister(daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]) -> None:
+def test_pool_replaced_by_name_and_unregister(
+    daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]
+) -> None:
     pool = pool_factory(num_pages=2)
     with daemon.client() as c:
         h1 = c.register_pool("engine", FP, pool.geometry())
@@ -212,8 +218,9 @@ def test_sigterm_drains_and_exits_zero(daemon: DaemonProc) -> None:
     assert "stopped (exit status 0)" in daemon.log()
 
 
-def test_rekey_keeps_old_blocks_openable(daemon_factory: Callable[..., DaemonProc],
-                                         pool_factory: Callable[..., SharedKVPool]) -> None:  # fmt: skip
+def test_rekey_keeps_old_blocks_openable(
+    daemon_factory: Callable[..., DaemonProc], pool_factory: Callable[..., SharedKVPool]
+) -> None:
     d = daemon_factory("--rekey-after", "2")
     pool = pool_factory(num_pages=5)
     data = fill_random(pool)

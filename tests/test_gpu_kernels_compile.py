@@ -59,10 +59,21 @@ def test_compile_rejects_bad_arch() -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_nvcc_compiles_sm90_without_spills(tmp_path: Path) -> None:
     proc = subprocess.run(
-        ["nvcc", "-arch=sm_90", "-c", "-Xptxas", "-v", str(CUDA_DIR / "kernels.cu"),
-         "-o", str(tmp_path / "kernels.o")],
-        capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
+        [
+            "nvcc",
+            "-arch=sm_90",
+            "-c",
+            "-Xptxas",
+            "-v",
+            str(CUDA_DIR / "kernels.cu"),
+            "-o",
+            str(tmp_path / "kernels.o"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     # Spilling the hot loop to local memory would quietly cost a lot of bandwidth.
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
@@ -72,8 +83,22 @@ def test_nvcc_compiles_sm90_without_spills(tmp_path: Path) -> None:
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
 def test_emulator_builds_warning_free(tmp_path: Path) -> None:
     proc = subprocess.run(
-        ["g++", "-O2", "-std=c++17", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
-         str(CUDA_DIR / "emulate.cpp"), "-o", str(tmp_path / "emu.so")],
-        capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
+        [
+            "g++",
+            "-O2",
+            "-std=c++17",
+            "-fPIC",
+            "-shared",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            str(CUDA_DIR / "emulate.cpp"),
+            "-o",
+            str(tmp_path / "emu.so"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr

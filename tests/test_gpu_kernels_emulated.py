@@ -348,7 +348,7 @@ def test_single_failure_blocks_all_or_nothing_open(emu: E.Emulator) -> None:
     per_thread=st.integers(1, 3),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_property_seal_verify_open(  # noqa: PLR0917 - hypothesis passes them by name
+def test_property_seal_verify_open(
     emu: E.Emulator, seg_sizes: list[int], num_blocks: int, threads: int, per_thread: int, seed: int
 ) -> None:
     cfg = E.LaunchConfig(threads, threads * per_thread)

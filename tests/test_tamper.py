@@ -18,7 +18,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from kvseal.client import EnginePool, KVSealRpcError, chain_block_hashes, tenant_digest
 from kvseal.client.shm import SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
@@ -71,14 +70,20 @@ class Setup:
     slots: list[tuple[int, int]]  # one (offset, length) per chain block
 
 
-def _setup(daemon_factory: Callable[..., DaemonProc], pool_factory: Callable[..., SharedKVPool],
-           policy: str) -> Setup:  # fmt: skip
+def _setup(
+    daemon_factory: Callable[..., DaemonProc],
+    pool_factory: Callable[..., SharedKVPool],
+    policy: str,
+) -> Setup:
     d = daemon_factory("--on-integrity-failure", policy, region=True, host_bytes="4MiB")
     pool = pool_factory(num_pages=4)
     data = fill_random(pool)
     tenant = tenant_digest("victim")
-    chain = chain_block_hashes(list(os.urandom(2 * pool.shape.tokens_per_page)), pool.shape.tokens_per_page,
-                               cache_salt="victim")  # fmt: skip
+    chain = chain_block_hashes(
+        list(os.urandom(2 * pool.shape.tokens_per_page)),
+        pool.shape.tokens_per_page,
+        cache_salt="victim",
+    )
     assert d.region is not None
     host = HostView(d.region)
     with d.client() as c:
@@ -149,8 +154,11 @@ ATTACKS = {
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
-def test_attack_rejected_drop_policy(daemon_factory: Callable[..., DaemonProc],
-                                     pool_factory: Callable[..., SharedKVPool], attack: str) -> None:  # fmt: skip
+def test_attack_rejected_drop_policy(
+    daemon_factory: Callable[..., DaemonProc],
+    pool_factory: Callable[..., SharedKVPool],
+    attack: str,
+) -> None:
     s = _setup(daemon_factory, pool_factory, "drop")
     ATTACKS[attack](s)
     poison(s.pool, [2, 3])
@@ -175,8 +183,11 @@ def test_attack_rejected_drop_policy(daemon_factory: Callable[..., DaemonProc],
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
-def test_attack_rejected_abort_policy(daemon_factory: Callable[..., DaemonProc],
-                                      pool_factory: Callable[..., SharedKVPool], attack: str) -> None:  # fmt: skip
+def test_attack_rejected_abort_policy(
+    daemon_factory: Callable[..., DaemonProc],
+    pool_factory: Callable[..., SharedKVPool],
+    attack: str,
+) -> None:
     s = _setup(daemon_factory, pool_factory, "abort")
     ATTACKS[attack](s)
     poison(s.pool, [2, 3])
@@ -194,9 +205,12 @@ def test_attack_rejected_abort_policy(daemon_factory: Callable[..., DaemonProc],
 
 @pytest.mark.parametrize("policy", ["drop", "abort"])
 @pytest.mark.parametrize("move", ["tenant", "model"])
-def test_block_moved_to_other_tenant_or_model(daemon_factory: Callable[..., DaemonProc],
-                                              pool_factory: Callable[..., SharedKVPool],
-                                              policy: str, move: str) -> None:  # fmt: skip
+def test_block_moved_to_other_tenant_or_model(
+    daemon_factory: Callable[..., DaemonProc],
+    pool_factory: Callable[..., SharedKVPool],
+    policy: str,
+    move: str,
+) -> None:
     """Victim and attacker-controlled entry share a block hash; the host
     copies the victim's ciphertext into the other entry's slot. The other
     tenant/model never gets the victim's data."""

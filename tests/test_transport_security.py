@@ -19,7 +19,6 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
 
 from .conftest import DaemonProc
@@ -40,9 +39,11 @@ def test_peer_uid_not_allowed_is_refused(daemon_factory: Callable[..., DaemonPro
         if os.path.exists(d.socket):
             break
         time.sleep(0.05)
-    with KVSealClient(ClientConfig(target=d.target, timeout_s=0.5, retries=1)) as c:
-        with pytest.raises(KVSealRpcError) as e:
-            c.health()
+    with (
+        KVSealClient(ClientConfig(target=d.target, timeout_s=0.5, retries=1)) as c,
+        pytest.raises(KVSealRpcError) as e,
+    ):
+        c.health()
     assert e.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert d.proc.poll() is None
     assert f"uid {os.getuid()}: uid not in the allow list" in d.log()
@@ -66,9 +67,13 @@ def test_no_core_dumps(daemon: DaemonProc) -> None:
 # ----------------------------------------------------------------- mTLS
 
 
-def _cert(name: str, issuer_key: ec.EllipticCurvePrivateKey | None = None,
-          issuer: x509.Certificate | None = None, ca: bool = False,
-          san: list[x509.GeneralName] | None = None) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:  # fmt: skip
+def _cert(
+    name: str,
+    issuer_key: ec.EllipticCurvePrivateKey | None = None,
+    issuer: x509.Certificate | None = None,
+    ca: bool = False,
+    san: list[x509.GeneralName] | None = None,
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.UTC)
@@ -92,8 +97,9 @@ def _pem(obj: object) -> bytes:
     if isinstance(obj, x509.Certificate):
         return obj.public_bytes(serialization.Encoding.PEM)
     assert isinstance(obj, ec.EllipticCurvePrivateKey)
-    return obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())  # fmt: skip
+    return obj.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _free_port() -> int:
@@ -106,8 +112,12 @@ def test_tcp_requires_mutual_tls(tmp_path: Path) -> None:
     import ipaddress
 
     ca_key, ca = _cert("kvseal-test-ca", ca=True)
-    srv_key, srv = _cert("kvseal", ca_key, ca, san=[x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])  # fmt: skip
+    srv_key, srv = _cert(
+        "kvseal",
+        ca_key,
+        ca,
+        san=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    )
     cli_key, cli = _cert("engine", ca_key, ca)
     rogue_ca_key, rogue_ca = _cert("rogue-ca", ca=True)
     rogue_key, rogue = _cert("engine", rogue_ca_key, rogue_ca)
@@ -117,17 +127,38 @@ def test_tcp_requires_mutual_tls(tmp_path: Path) -> None:
         files[name].write_bytes(_pem(obj))
     port = _free_port()
     log = tmp_path / "daemon.log"
-    args = [sys.executable, "-m", "kvseal.server", "--listen", f"tcp://127.0.0.1:{port}", "--backend", "cpu",
-            "--host-bytes", "16MiB", "--tls-cert", str(files["srv"]), "--tls-key", str(files["srv_key"]),
-            "--tls-client-ca", str(files["ca"])]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "kvseal.server",
+        "--listen",
+        f"tcp://127.0.0.1:{port}",
+        "--backend",
+        "cpu",
+        "--host-bytes",
+        "16MiB",
+        "--tls-cert",
+        str(files["srv"]),
+        "--tls-key",
+        str(files["srv_key"]),
+        "--tls-client-ca",
+        str(files["ca"]),
+    ]
     with open(log, "wb") as f:
         proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
     try:
+
         def client(key: object | None, cert: object | None) -> KVSealClient:
-            return KVSealClient(ClientConfig(
-                target=f"tcp://127.0.0.1:{port}", timeout_s=2.0, retries=1, tls_root_ca=_pem(ca),
-                tls_key=_pem(key) if key else None, tls_cert=_pem(cert) if cert else None,
-            ))  # fmt: skip
+            return KVSealClient(
+                ClientConfig(
+                    target=f"tcp://127.0.0.1:{port}",
+                    timeout_s=2.0,
+                    retries=1,
+                    tls_root_ca=_pem(ca),
+                    tls_key=_pem(key) if key else None,
+                    tls_cert=_pem(cert) if cert else None,
+                )
+            )
 
         good = client(cli_key, cli)
         deadline = time.monotonic() + 20
@@ -150,7 +181,11 @@ def test_tcp_requires_mutual_tls(tmp_path: Path) -> None:
 
 
 def test_plaintext_tcp_is_refused(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "kvseal.server", "--listen", "tcp://127.0.0.1:1"],
-                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "kvseal.server", "--listen", "tcp://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2
     assert "requires mutual TLS" in r.stderr

@@ -19,7 +19,6 @@ import time
 from collections.abc import Sequence
 
 from google.protobuf.json_format import MessageToDict
-
 from kvseal.client.client import ClientConfig, KVSealClient, KVSealRpcError, default_target
 from kvseal.client.hashing import chain_block_hashes, tenant_digest
 from kvseal.client.shm import LAYOUTS, KVShape, SharedKVPool
@@ -50,7 +49,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         except KVSealRpcError as e:
             print(f"UNREACHABLE: {e}", file=sys.stderr)
             return EXIT_UNREACHABLE
-    doc = MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    doc = MessageToDict(
+        s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
@@ -62,11 +63,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_selftest(args: argparse.Namespace) -> int:
     shape = KVShape(
-        num_pages=args.blocks, tokens_per_page=args.tokens_per_page, num_layers=args.layers,
-        num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
-    )  # fmt: skip
+        num_pages=args.blocks,
+        tokens_per_page=args.tokens_per_page,
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+    )
     n = args.blocks
-    with _client(args) as c, SharedKVPool(shape, args.layout, name_prefix="kvseal-selftest") as pool:
+    with (
+        _client(args) as c,
+        SharedKVPool(shape, args.layout, name_prefix="kvseal-selftest") as pool,
+    ):
         try:
             c.health()
         except KVSealRpcError as e:
@@ -106,14 +114,28 @@ def cmd_selftest(args: argparse.Namespace) -> int:
         total = n * shape.block_bytes
         rows = [
             ("layout", args.layout),
-            ("block bytes", f"{shape.block_bytes} ({args.layers} layers x K,V x {args.tokens_per_page} "
-                            f"tokens x {args.kv_heads} heads x {args.head_dim} x {args.dtype})"),
+            (
+                "block bytes",
+                f"{shape.block_bytes} ({args.layers} layers x K,V x {args.tokens_per_page} "
+                f"tokens x {args.kv_heads} heads x {args.head_dim} x {args.dtype})",
+            ),
             ("blocks", f"{n} ({total / 2**20:.1f} MiB)"),
-            ("offload", f"{off.stored_blocks} stored in {t_off * 1e3:.1f} ms = {total / t_off / 1e9:.2f} GB/s"),
+            (
+                "offload",
+                f"{off.stored_blocks} stored in {t_off * 1e3:.1f} ms "
+                f"= {total / t_off / 1e9:.2f} GB/s",
+            ),
             ("lookup", f"{hit}/{n} blocks hit"),
-            ("restore", f"{res.restored_blocks} restored in {t_res * 1e3:.1f} ms = {total / t_res / 1e9:.2f} GB/s"),
-            ("verify", "every byte identical" if not bad else f"{len(bad)} block(s) differ: {bad[:8]}"),
-        ]  # fmt: skip
+            (
+                "restore",
+                f"{res.restored_blocks} restored in {t_res * 1e3:.1f} ms "
+                f"= {total / t_res / 1e9:.2f} GB/s",
+            ),
+            (
+                "verify",
+                "every byte identical" if not bad else f"{len(bad)} block(s) differ: {bad[:8]}",
+            ),
+        ]
         for k, v in rows:
             print(f"{k:<12} {v}")
         ok = not bad and hit == n and off.stored_blocks == n and res.restored_blocks == n
@@ -123,8 +145,12 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvseal", description="Operate a kvseal sidecar daemon.")
-    p.add_argument("--socket", help="daemon Unix socket path (default: $KVSEAL_SOCKET or the daemon's default)")
-    p.add_argument("--target", help="gRPC target instead of --socket, e.g. unix:///run/kvseal/kvseal.sock")
+    p.add_argument(
+        "--socket", help="daemon Unix socket path (default: $KVSEAL_SOCKET or the daemon's default)"
+    )
+    p.add_argument(
+        "--target", help="gRPC target instead of --socket, e.g. unix:///run/kvseal/kvseal.sock"
+    )
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     sub = p.add_subparsers(dest="command", required=True)
     h = sub.add_parser("health", help="print the grpc.health.v1 status; exit 0 when SERVING")
@@ -133,16 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="print the daemon's counters and configuration")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_stats)
-    t = sub.add_parser("selftest", help="round-trip synthetic blocks of real geometry and check every byte")
+    t = sub.add_parser(
+        "selftest", help="round-trip synthetic blocks of real geometry and check every byte"
+    )
     t.add_argument("--layout", choices=LAYOUTS, default="vllm_per_layer")
     t.add_argument("--layers", type=int, default=64)
     t.add_argument("--kv-heads", type=int, default=8)
     t.add_argument("--head-dim", type=int, default=128)
     t.add_argument("--tokens-per-page", type=int, default=16)
     t.add_argument("--dtype", default="bfloat16")
-    t.add_argument("--blocks", type=int, default=16, help="blocks to round-trip (4 MiB each by default)")
+    t.add_argument(
+        "--blocks", type=int, default=16, help="blocks to round-trip (4 MiB each by default)"
+    )
     t.set_defaults(fn=cmd_selftest)
-    return p  # fmt: skip
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
 
@@ -203,7 +202,7 @@ class KVSealClient:
             creds = grpc.ssl_channel_credentials(cfg.tls_root_ca, cfg.tls_key, cfg.tls_cert)
             target = cfg.target.removeprefix("tcp://")
             self._channel = grpc.secure_channel(target, creds, options=options)
-        self._stub = pb_grpc.KVSealStub(self._channel)
+        self._stub = pb_grpc.KVSealStub(self._channel)  # type: ignore[no-untyped-call]
 
     def close(self) -> None:
         self._channel.close()
@@ -237,9 +236,12 @@ class KVSealClient:
         return _HEALTH_STATUS.get(status, f"STATUS_{status}")
 
     def register_pool(
-        self, name: str, model_fingerprint: bytes, geometry: pb.PoolGeometry,
-        backend: int = pb.BACKEND_UNSPECIFIED,
-    ) -> PoolHandle:  # fmt: skip
+        self,
+        name: str,
+        model_fingerprint: bytes,
+        geometry: pb.PoolGeometry,
+        backend: pb.Backend = pb.BACKEND_UNSPECIFIED,
+    ) -> PoolHandle:
         r = self._call(
             "RegisterPool",
             pb.RegisterPoolRequest(
@@ -260,43 +262,70 @@ class KVSealClient:
         return LookupResult(r.hit_blocks, list(r.states))
 
     def touch(self, pool_id: str, tenant: bytes, block_hashes: Sequence[bytes]) -> int:
-        r = self._call("Touch", pb.TouchRequest(pool_id=pool_id, tenant=tenant, block_hashes=block_hashes))
+        r = self._call(
+            "Touch", pb.TouchRequest(pool_id=pool_id, tenant=tenant, block_hashes=block_hashes)
+        )
         return int(r.touched)
 
     def offload(
-        self, pool_id: str, tenant: bytes, block_hashes: Sequence[bytes], page_ids: Sequence[int],
-        parent_hash: bytes | None = None, timeout: float | None = None,
-    ) -> OffloadResult:  # fmt: skip
+        self,
+        pool_id: str,
+        tenant: bytes,
+        block_hashes: Sequence[bytes],
+        page_ids: Sequence[int],
+        parent_hash: bytes | None = None,
+        timeout: float | None = None,
+    ) -> OffloadResult:
         r = self._call(
             "Offload",
             pb.OffloadRequest(
-                pool_id=pool_id, tenant=tenant, parent_hash=parent_hash or b"",
-                block_hashes=block_hashes, page_ids=page_ids,
-            ),  # fmt: skip
+                pool_id=pool_id,
+                tenant=tenant,
+                parent_hash=parent_hash or b"",
+                block_hashes=block_hashes,
+                page_ids=page_ids,
+            ),
             timeout or self.config.transfer_timeout_s,
         )
         return OffloadResult(list(r.outcomes), r.stored_blocks, r.stored_bytes, r.evicted_blocks)
 
     def restore(
-        self, pool_id: str, tenant: bytes, block_hashes: Sequence[bytes], page_ids: Sequence[int],
-        release: bool = False, timeout: float | None = None,
-    ) -> RestoreResult:  # fmt: skip
+        self,
+        pool_id: str,
+        tenant: bytes,
+        block_hashes: Sequence[bytes],
+        page_ids: Sequence[int],
+        release: bool = False,
+        timeout: float | None = None,
+    ) -> RestoreResult:
         r = self._call(
             "Restore",
             pb.RestoreRequest(
-                pool_id=pool_id, tenant=tenant, block_hashes=block_hashes, page_ids=page_ids,
+                pool_id=pool_id,
+                tenant=tenant,
+                block_hashes=block_hashes,
+                page_ids=page_ids,
                 release=release,
-            ),  # fmt: skip
+            ),
             timeout or self.config.transfer_timeout_s,
         )
         return RestoreResult(r.restored_blocks, r.restored_bytes)
 
     def drop(
-        self, pool_id: str, tenant: bytes, block_hashes: Sequence[bytes] = (), all_of_tenant: bool = False
+        self,
+        pool_id: str,
+        tenant: bytes,
+        block_hashes: Sequence[bytes] = (),
+        all_of_tenant: bool = False,
     ) -> int:
         r = self._call(
             "Drop",
-            pb.DropRequest(pool_id=pool_id, tenant=tenant, block_hashes=block_hashes, all_of_tenant=all_of_tenant),
+            pb.DropRequest(
+                pool_id=pool_id,
+                tenant=tenant,
+                block_hashes=block_hashes,
+                all_of_tenant=all_of_tenant,
+            ),
         )
         return int(r.dropped_blocks)
 
@@ -304,7 +333,9 @@ class KVSealClient:
         reply: pb.StatsReply = self._call("Stats", pb.StatsRequest())
         return reply
 
-    def watch_events(self, tenant: bytes = b"", timeout: float | None = None) -> Iterator[pb.BlockEvent]:
+    def watch_events(
+        self, tenant: bytes = b"", timeout: float | None = None
+    ) -> Iterator[pb.BlockEvent]:
         """Stream of block events; ends with KVSealRpcError (e.g.
         RESOURCE_EXHAUSTED if this watcher fell behind: resubscribe)."""
         call = self._stub.WatchEvents(pb.WatchEventsRequest(tenant=tenant), timeout=timeout)
@@ -350,11 +381,16 @@ class EnginePool:
             if err.reason == "UNKNOWN_POOL":
                 self._handle = None  # daemon restarted or pool replaced: register again
                 return
-            if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                            grpc.StatusCode.INTERNAL):  # fmt: skip
+            if err.code in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.INTERNAL,
+            ):
                 self._down_until = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, self.client.config.backoff_max_s)
-                self._handle = None if err.code is not grpc.StatusCode.DEADLINE_EXCEEDED else self._handle
+                self._handle = (
+                    None if err.code is not grpc.StatusCode.DEADLINE_EXCEEDED else self._handle
+                )
         log.warning("kvseal call degraded: %s", err)
 
     def _ok(self) -> None:
@@ -389,9 +425,12 @@ class EnginePool:
         return n
 
     def offload(
-        self, tenant: bytes, block_hashes: Sequence[bytes], page_ids: Sequence[int],
+        self,
+        tenant: bytes,
+        block_hashes: Sequence[bytes],
+        page_ids: Sequence[int],
         parent_hash: bytes | None = None,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Seal and store the pages; False means dropped (nothing to undo)."""
         h = self._ensure()
         if h is None or not block_hashes:
@@ -405,7 +444,11 @@ class EnginePool:
         return True
 
     def restore(
-        self, tenant: bytes, block_hashes: Sequence[bytes], page_ids: Sequence[int], release: bool = False
+        self,
+        tenant: bytes,
+        block_hashes: Sequence[bytes],
+        page_ids: Sequence[int],
+        release: bool = False,
     ) -> bool:
         """True: every destination page now holds its block. False: none was
         written (integrity failure, miss, daemon down): recompute them."""
@@ -419,5 +462,3 @@ class EnginePool:
             return False
         self._ok()
         return True
-
-

@@ -63,7 +63,13 @@ def chain_block_hashes(
     for start in range(0, full, tokens_per_page):
         h = hashlib.sha256(b"kvseal/block/v1\x00")
         h.update(prev)
-        h.update(struct.pack(f"<I{tokens_per_page}I", tokens_per_page, *token_ids[start : start + tokens_per_page]))
+        h.update(
+            struct.pack(
+                f"<I{tokens_per_page}I",
+                tokens_per_page,
+                *token_ids[start : start + tokens_per_page],
+            )
+        )
         h.update(struct.pack("<I", len(extra_keys)) + extra_keys)
         prev = h.digest()
         out.append(prev)

@@ -30,13 +30,17 @@ from kvseal.v1 import kvseal_pb2 as pb
 if TYPE_CHECKING:
     import torch
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"  # noqa: S108 - POSIX shm objects live here on Linux
 BLOCK_ORDER = "L,KV,T,H,D"  # the canonical byte order of a block
 LAYOUTS = ("vllm_per_layer", "vllm_cross_layer", "sglang_per_layer")
 DTYPE_BYTES = {
-    "bfloat16": 2, "float16": 2, "float32": 4,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1,
-}  # fmt: skip
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -118,8 +122,14 @@ class SharedKVPool:
                 for layer in range(s.num_layers):
                     self.buffers.append(_ShmBuffer(f"{tag}-L{layer}", 2 * s.num_pages * kv))
                     for half in (0, 1):  # K then V: [2, pages, ...]
-                        self.segments.append(pb.Segment(buffer=layer, offset=half * s.num_pages * kv,
-                                                        page_stride=kv, bytes=kv))  # fmt: skip
+                        self.segments.append(
+                            pb.Segment(
+                                buffer=layer,
+                                offset=half * s.num_pages * kv,
+                                page_stride=kv,
+                                bytes=kv,
+                            )
+                        )
             elif layout == "vllm_cross_layer":
                 self.buffers.append(_ShmBuffer(f"{tag}-X", s.num_pages * s.block_bytes))
                 self.segments.append(
@@ -129,8 +139,11 @@ class SharedKVPool:
                 for layer in range(s.num_layers):
                     for kind in ("K", "V"):
                         self.buffers.append(_ShmBuffer(f"{tag}-{kind}{layer}", s.num_pages * kv))
-                        self.segments.append(pb.Segment(buffer=len(self.buffers) - 1, offset=0,
-                                                        page_stride=kv, bytes=kv))  # fmt: skip
+                        self.segments.append(
+                            pb.Segment(
+                                buffer=len(self.buffers) - 1, offset=0, page_stride=kv, bytes=kv
+                            )
+                        )
         except BaseException:
             self.close()
             raise
@@ -176,7 +189,7 @@ class SharedKVPool:
     def tensors(self) -> list[torch.Tensor]:
         """The pool's buffers as torch tensors in the engine's layout
         (zero-copy views of the shared memory)."""
-        import torch
+        import torch  # noqa: PLC0415 - torch is optional for the client
 
         dtype: Any = getattr(torch, self.shape.dtype)
         s = self.shape
@@ -184,9 +197,22 @@ class SharedKVPool:
         for b in self.buffers:
             flat = torch.frombuffer(b.map, dtype=dtype)
             if self.layout == "vllm_per_layer":
-                shape: tuple[int, ...] = (2, s.num_pages, s.tokens_per_page, s.num_kv_heads, s.head_dim)
+                shape: tuple[int, ...] = (
+                    2,
+                    s.num_pages,
+                    s.tokens_per_page,
+                    s.num_kv_heads,
+                    s.head_dim,
+                )
             elif self.layout == "vllm_cross_layer":
-                shape = (s.num_pages, s.num_layers, 2, s.tokens_per_page, s.num_kv_heads, s.head_dim)
+                shape = (
+                    s.num_pages,
+                    s.num_layers,
+                    2,
+                    s.tokens_per_page,
+                    s.num_kv_heads,
+                    s.head_dim,
+                )
             else:
                 shape = (s.num_pages * s.tokens_per_page, s.num_kv_heads, s.head_dim)
             out.append(flat.view(shape))

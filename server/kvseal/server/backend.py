@@ -18,6 +18,7 @@ Page ids and extents are validated by the caller before these are called.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import stat
@@ -40,7 +41,7 @@ from kvseal.server.sealing import (
 )
 
 T = TypeVar("T")
-SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"  # noqa: S108 - POSIX shm objects live here on Linux
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +228,7 @@ class CpuBackend:
         if chunks <= 1:
             return fn(0, n)
         bounds = [n * i // chunks for i in range(chunks + 1)]
-        futures = [self._pool.submit(fn, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+        futures = [self._pool.submit(fn, a, b) for a, b in itertools.pairwise(bounds)]
         out: list[T] = []
         for f in futures:  # wait for all before raising, so no thread outlives the call
             f.exception()

@@ -118,7 +118,9 @@ class SealedCache:
 
     def _check_serving(self) -> None:
         if not self._serving:
-            raise ShuttingDown("kvseal is not serving (shutting down or stopped after an integrity failure)")
+            raise ShuttingDown(
+                "kvseal is not serving (shutting down or stopped after an integrity failure)"
+            )
 
     def _count(self, **deltas: int) -> None:
         with self._counter_lock:
@@ -130,7 +132,8 @@ class SealedCache:
     def _check_tenant(self, tenant: bytes) -> None:
         if len(tenant) != TENANT_BYTES:
             raise BadRequest(
-                f"tenant must be a {TENANT_BYTES}-byte digest of the cache salt, got {len(tenant)} bytes"
+                f"tenant must be a {TENANT_BYTES}-byte digest of the cache salt, "
+                f"got {len(tenant)} bytes"
             )
 
     def _check_hashes(self, hashes: Sequence[bytes], *, allow_empty: bool = False) -> None:
@@ -138,11 +141,14 @@ class SealedCache:
             raise BadRequest("block_hashes is empty")
         if len(hashes) > self.config.max_batch_blocks:
             raise BadRequest(
-                f"{len(hashes)} blocks in one request (limit {self.config.max_batch_blocks}); split it"
+                f"{len(hashes)} blocks in one request "
+                f"(limit {self.config.max_batch_blocks}); split it"
             )
         for i, h in enumerate(hashes):
             if len(h) != HASH_BYTES:
-                raise BadRequest(f"block_hashes[{i}] has {len(h)} bytes; hashes are {HASH_BYTES} bytes")
+                raise BadRequest(
+                    f"block_hashes[{i}] has {len(h)} bytes; hashes are {HASH_BYTES} bytes"
+                )
         if len(set(hashes)) != len(hashes):
             seen: set[bytes] = set()
             for i, h in enumerate(hashes):
@@ -156,7 +162,8 @@ class SealedCache:
         for i, p in enumerate(pages):
             if not 0 <= p < pool.num_pages:
                 raise PageOutOfRange(
-                    f"page_ids[{i}]={p} is out of range: pool {pool.pool_id!r} has {pool.num_pages} pages"
+                    f"page_ids[{i}]={p} is out of range: "
+                    f"pool {pool.pool_id!r} has {pool.num_pages} pages"
                 )
         if len(set(pages)) != len(pages):
             seen: set[int] = set()
@@ -177,7 +184,8 @@ class SealedCache:
         spec.validate()
         if spec.backend != self.backend.kind:
             raise BackendMismatch(
-                f"pool registered for the {spec.backend} backend but this daemon runs {self.backend.kind}"
+                f"pool registered for the {spec.backend} backend "
+                f"but this daemon runs {self.backend.kind}"
             )
         mapped = self.backend.map_pool(spec)
         ns = spec.namespace()
@@ -186,8 +194,11 @@ class SealedCache:
             log.info("pool %s replaced by %s", old.pool_id, pool.pool_id)
         log.info(
             "registered pool %s: %d pages of %d bytes, layout %s",
-            pool.pool_id, pool.num_pages, pool.block_bytes, spec.geometry.layout,
-        )  # fmt: skip
+            pool.pool_id,
+            pool.num_pages,
+            pool.block_bytes,
+            spec.geometry.layout,
+        )
         return Registered(pool.pool_id, ns, pool.block_bytes)
 
     def unregister_pool(self, pool_id: str) -> None:
@@ -196,7 +207,9 @@ class SealedCache:
 
     # ---------------------------------------------------------------- blocks
 
-    def lookup(self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]) -> tuple[int, list[State]]:
+    def lookup(
+        self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]
+    ) -> tuple[int, list[State]]:
         self._check_serving()
         self._check_tenant(tenant)
         self._check_hashes(hashes)
@@ -224,7 +237,9 @@ class SealedCache:
         self._check_tenant(tenant)
         self._check_hashes(hashes)
         if parent_hash is not None and len(parent_hash) != HASH_BYTES:
-            raise BadRequest(f"parent_hash has {len(parent_hash)} bytes; hashes are {HASH_BYTES} bytes")
+            raise BadRequest(
+                f"parent_hash has {len(parent_hash)} bytes; hashes are {HASH_BYTES} bytes"
+            )
         with self.pools.use(pool_id) as pool:
             self._check_pages(pool, hashes, pages)
             ns, size = pool.namespace, pool.block_bytes
@@ -241,7 +256,9 @@ class SealedCache:
             ]
             t0 = time.perf_counter()
             try:
-                records = self.backend.seal_blocks(pool.mapped, blocks, self.region) if blocks else []
+                records = (
+                    self.backend.seal_blocks(pool.mapped, blocks, self.region) if blocks else []
+                )
             except BaseException:
                 self.index.complete_store(plan.new, [None] * len(plan.new))
                 raise
@@ -318,12 +335,16 @@ class SealedCache:
             f"replayed or truncated): {which}; nothing was written to the pool"
         )
         if abort:
-            log.critical("INTEGRITY FAILURE in pool %s: %s; policy abort: stopping", pool.pool_id, msg)
+            log.critical(
+                "INTEGRITY FAILURE in pool %s: %s; policy abort: stopping", pool.pool_id, msg
+            )
             self._serving = False
             if self._on_integrity_abort is not None:
                 self._on_integrity_abort()
             raise IntegrityFailure(msg + "; kvseal is stopping (policy abort)")
-        log.error("INTEGRITY FAILURE in pool %s: %s; policy drop: blocks evicted", pool.pool_id, msg)
+        log.error(
+            "INTEGRITY FAILURE in pool %s: %s; policy drop: blocks evicted", pool.pool_id, msg
+        )
         raise IntegrityFailure(msg + "; the blocks were evicted (policy drop)")
 
     def drop(

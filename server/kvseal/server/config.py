@@ -21,12 +21,25 @@ EXIT_INTEGRITY = 3  # exit status after an integrity abort (systemd: do not rest
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
-    "": 1, "B": 1,
-    "K": 1000, "KB": 1000, "KI": 1024, "KIB": 1024,
-    "M": 1000**2, "MB": 1000**2, "MI": 1024**2, "MIB": 1024**2,
-    "G": 1000**3, "GB": 1000**3, "GI": 1024**3, "GIB": 1024**3,
-    "T": 1000**4, "TB": 1000**4, "TI": 1024**4, "TIB": 1024**4,
-}  # fmt: skip
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "KI": 1024,
+    "KIB": 1024,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "MI": 1024**2,
+    "MIB": 1024**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "GI": 1024**3,
+    "GIB": 1024**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "TI": 1024**4,
+    "TIB": 1024**4,
+}
 
 
 def parse_size(text: str) -> int:
@@ -79,19 +92,28 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not (self.listen.startswith("unix://") or self.listen.startswith("tcp://")):
-            raise ValueError(f"--listen must be unix:///path or tcp://host:port, not {self.listen!r}")
-        if self.listen.startswith("tcp://"):
-            if not (self.tls_cert and self.tls_key and self.tls_client_ca):
-                raise ValueError(
-                    "tcp:// listening requires mutual TLS: give --tls-cert, --tls-key "
-                    "and --tls-client-ca (plaintext TCP is refused)"
-                )
+            raise ValueError(
+                f"--listen must be unix:///path or tcp://host:port, not {self.listen!r}"
+            )
+        if self.listen.startswith("tcp://") and not (
+            self.tls_cert and self.tls_key and self.tls_client_ca
+        ):
+            raise ValueError(
+                "tcp:// listening requires mutual TLS: give --tls-cert, --tls-key "
+                "and --tls-client-ca (plaintext TCP is refused)"
+            )
         if self.backend not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--backend must be auto, cpu or cuda, not {self.backend!r}")
         if self.host_bytes < 1024 * 1024:
             raise ValueError("--host-bytes must be at least 1MiB")
-        for name in ("max_batch_blocks", "max_batch_bytes", "max_pools", "max_watchers",
-                     "rekey_after", "grpc_threads"):  # fmt: skip
+        for name in (
+            "max_batch_blocks",
+            "max_batch_bytes",
+            "max_pools",
+            "max_watchers",
+            "rekey_after",
+            "grpc_threads",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         if self.workers < 0:

@@ -10,7 +10,11 @@ from kvseal.v1 import kvseal_pb2 as pb
 
 BACKEND_NAMES = {pb.BACKEND_CPU: "cpu", pb.BACKEND_CUDA: "cuda"}
 BACKEND_ENUMS = {v: k for k, v in BACKEND_NAMES.items()}
-STATE_ENUMS = {State.ABSENT: pb.BLOCK_ABSENT, State.PENDING: pb.BLOCK_PENDING, State.READY: pb.BLOCK_READY}
+STATE_ENUMS = {
+    State.ABSENT: pb.BLOCK_ABSENT,
+    State.PENDING: pb.BLOCK_PENDING,
+    State.READY: pb.BLOCK_READY,
+}
 OUTCOME_ENUMS = {
     StoreOutcome.STORED: pb.OFFLOAD_STORED,
     StoreOutcome.ALREADY_PRESENT: pb.OFFLOAD_ALREADY_PRESENT,
@@ -35,7 +39,9 @@ def pool_spec(req: pb.RegisterPoolRequest, default_backend: str) -> PoolSpec:
     buffers = tuple(
         BufferSpec(
             shm_name=b.shm_name if b.WhichOneof("kind") == "shm_name" else None,
-            cuda_ipc_handle=b.cuda_ipc_handle if b.WhichOneof("kind") == "cuda_ipc_handle" else None,
+            cuda_ipc_handle=b.cuda_ipc_handle
+            if b.WhichOneof("kind") == "cuda_ipc_handle"
+            else None,
             offset=b.offset,
             size=b.size,
             device=b.device,

@@ -134,9 +134,7 @@ class HostRegion:
         self._map: mmap.mmap | None = None
         self._pin: Pinned | None = None
         if path is None:
-            self._fd = os.memfd_create(
-                "kvseal-host-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-            )
+            self._fd = os.memfd_create("kvseal-host-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             self.description = "anonymous memfd"
         else:
             flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW

@@ -20,6 +20,7 @@ descendants, so the index never keeps orphaned descendants.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -237,7 +238,9 @@ class Index:
             if sim.free_bytes() >= need and sim.can_allocate_all(sizes):
                 return victims
 
-    def complete_store(self, entries: Sequence[Entry], records: Sequence[SealRecord | None]) -> None:
+    def complete_store(
+        self, entries: Sequence[Entry], records: Sequence[SealRecord | None]
+    ) -> None:
         """Publish sealed entries as READY (record given) or release them
         (None: sealing failed). Entries removed meanwhile (e.g. dropped, or a
         cascade from their parent) are freed instead of published."""
@@ -298,9 +301,7 @@ class Index:
 
     # ----------------------------------------------------------- drop
 
-    def drop(
-        self, ns: bytes, tenant: bytes, hashes: Sequence[bytes] | None
-    ) -> list[Entry]:
+    def drop(self, ns: bytes, tenant: bytes, hashes: Sequence[bytes] | None) -> list[Entry]:
         """Remove the blocks (all of the tenant in ``ns`` when ``hashes`` is
         None) and their descendants. Returns every entry removed."""
         with self._lock:
@@ -362,6 +363,6 @@ class Index:
                 if (e.state is State.READY) != (k in self._lru):
                     raise AssertionError("LRU holds exactly the READY entries")
             spans = sorted((e.extent.offset, e.extent.size) for e in live)
-            for (o1, s1), (o2, _) in zip(spans, spans[1:], strict=False):
+            for (o1, s1), (o2, _) in itertools.pairwise(spans):
                 if o1 + s1 > o2:
                     raise AssertionError("overlapping slots")

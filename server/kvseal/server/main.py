@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
 from kvseal.server import sealing
 from kvseal.server.backend import Backend, CpuBackend
 from kvseal.server.cache import SealedCache
@@ -72,41 +71,90 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--listen", default=_env("KVSEAL_LISTEN", "unix://" + default_socket_path()),
-                   help="unix:///path/to.sock, or tcp://host:port with mutual TLS [KVSEAL_LISTEN]")
-    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default=_env("KVSEAL_BACKEND", "auto"),
-                   help="where blocks are sealed; auto picks cuda when a GPU is usable [KVSEAL_BACKEND]")
-    p.add_argument("--device", type=int, default=int(_env("KVSEAL_DEVICE", "0") or 0),
-                   help="GPU ordinal for the cuda backend [KVSEAL_DEVICE]")
-    p.add_argument("--host-bytes", default=_env("KVSEAL_HOST_BYTES", "4GiB"),
-                   help="capacity of the sealed host tier, e.g. 512MiB, 64GiB [KVSEAL_HOST_BYTES]")
-    p.add_argument("--host-region", default=_env("KVSEAL_HOST_REGION"),
-                   help="back the ciphertext region with this file (mode 0600, e.g. under /dev/shm) "
-                        "instead of anonymous memory [KVSEAL_HOST_REGION]")
-    p.add_argument("--on-integrity-failure", choices=("abort", "drop"),
-                   default=_env("KVSEAL_ON_INTEGRITY_FAILURE", "abort"),
-                   help="abort: fail the request, stop serving, exit 3. drop: fail the request with "
-                        "DATA_LOSS, evict the blocks, keep serving [KVSEAL_ON_INTEGRITY_FAILURE]")
-    p.add_argument("--allow-uid", type=int, action="append", default=None,
-                   help="peer uid allowed on the Unix socket (repeatable; default: the daemon's own "
-                        "uid) [KVSEAL_ALLOW_UIDS=uid,uid]")
-    p.add_argument("--tls-cert", default=_env("KVSEAL_TLS_CERT"), help="server certificate (PEM), tcp:// only")
-    p.add_argument("--tls-key", default=_env("KVSEAL_TLS_KEY"), help="server key (PEM), tcp:// only")
-    p.add_argument("--tls-client-ca", default=_env("KVSEAL_TLS_CLIENT_CA"),
-                   help="CA that signs client certificates (PEM); clients must present one")
-    p.add_argument("--metrics-address", default=_env("KVSEAL_METRICS_ADDRESS"),
-                   help="serve Prometheus /metrics on HOST:PORT (off by default) [KVSEAL_METRICS_ADDRESS]")
-    p.add_argument("--workers", type=int, default=int(_env("KVSEAL_WORKERS", "0") or 0),
-                   help="CPU sealing threads (0: min(4, cores)) [KVSEAL_WORKERS]")
+    p.add_argument(
+        "--listen",
+        default=_env("KVSEAL_LISTEN", "unix://" + default_socket_path()),
+        help="unix:///path/to.sock, or tcp://host:port with mutual TLS [KVSEAL_LISTEN]",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "cpu", "cuda"),
+        default=_env("KVSEAL_BACKEND", "auto"),
+        help="where blocks are sealed; auto picks cuda when a GPU is usable [KVSEAL_BACKEND]",
+    )
+    p.add_argument(
+        "--device",
+        type=int,
+        default=int(_env("KVSEAL_DEVICE", "0") or 0),
+        help="GPU ordinal for the cuda backend [KVSEAL_DEVICE]",
+    )
+    p.add_argument(
+        "--host-bytes",
+        default=_env("KVSEAL_HOST_BYTES", "4GiB"),
+        help="capacity of the sealed host tier, e.g. 512MiB, 64GiB [KVSEAL_HOST_BYTES]",
+    )
+    p.add_argument(
+        "--host-region",
+        default=_env("KVSEAL_HOST_REGION"),
+        help="back the ciphertext region with this file (mode 0600, e.g. under /dev/shm) "
+        "instead of anonymous memory [KVSEAL_HOST_REGION]",
+    )
+    p.add_argument(
+        "--on-integrity-failure",
+        choices=("abort", "drop"),
+        default=_env("KVSEAL_ON_INTEGRITY_FAILURE", "abort"),
+        help="abort: fail the request, stop serving, exit 3. drop: fail the request with "
+        "DATA_LOSS, evict the blocks, keep serving [KVSEAL_ON_INTEGRITY_FAILURE]",
+    )
+    p.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        default=None,
+        help="peer uid allowed on the Unix socket (repeatable; default: the daemon's own "
+        "uid) [KVSEAL_ALLOW_UIDS=uid,uid]",
+    )
+    p.add_argument(
+        "--tls-cert", default=_env("KVSEAL_TLS_CERT"), help="server certificate (PEM), tcp:// only"
+    )
+    p.add_argument(
+        "--tls-key", default=_env("KVSEAL_TLS_KEY"), help="server key (PEM), tcp:// only"
+    )
+    p.add_argument(
+        "--tls-client-ca",
+        default=_env("KVSEAL_TLS_CLIENT_CA"),
+        help="CA that signs client certificates (PEM); clients must present one",
+    )
+    p.add_argument(
+        "--metrics-address",
+        default=_env("KVSEAL_METRICS_ADDRESS"),
+        help="serve Prometheus /metrics on HOST:PORT (off by default) [KVSEAL_METRICS_ADDRESS]",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=int(_env("KVSEAL_WORKERS", "0") or 0),
+        help="CPU sealing threads (0: min(4, cores)) [KVSEAL_WORKERS]",
+    )
     p.add_argument("--max-batch-blocks", type=int, default=4096, help="blocks per request limit")
     p.add_argument("--max-batch-bytes", default="2GiB", help="bytes per request limit")
-    p.add_argument("--rekey-after", type=int, default=2**32,
-                   help="seals under one key before a new key epoch starts (NIST SP 800-38D margin)")
+    p.add_argument(
+        "--rekey-after",
+        type=int,
+        default=2**32,
+        help="seals under one key before a new key epoch starts (NIST SP 800-38D margin)",
+    )
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain RPCs on SIGTERM")
-    p.add_argument("--log-format", choices=("text", "json"), default=_env("KVSEAL_LOG_FORMAT", "text"),
-                   help="[KVSEAL_LOG_FORMAT]")
-    p.add_argument("--log-level", default=_env("KVSEAL_LOG_LEVEL", "INFO"), help="[KVSEAL_LOG_LEVEL]")
-    return p  # fmt: skip
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=_env("KVSEAL_LOG_FORMAT", "text"),
+        help="[KVSEAL_LOG_FORMAT]",
+    )
+    p.add_argument(
+        "--log-level", default=_env("KVSEAL_LOG_LEVEL", "INFO"), help="[KVSEAL_LOG_LEVEL]"
+    )
+    return p
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
@@ -204,7 +252,9 @@ def _prepare_unix_dir(path: str) -> None:
         os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.stat(d)
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise SystemExit(f"kvseal-server: socket directory {d} is world-writable: refusing to use it")
+        raise SystemExit(
+            f"kvseal-server: socket directory {d} is world-writable: refusing to use it"
+        )
 
 
 # ------------------------------------------------------------------ server
@@ -251,7 +301,9 @@ class Daemon:
             ],
             maximum_concurrent_rpcs=cfg.grpc_threads * 4,
         )
-        pb_grpc.add_KVSealServicer_to_server(KVSealServicer(cache, instance), server)
+        pb_grpc.add_KVSealServicer_to_server(  # type: ignore[no-untyped-call]
+            KVSealServicer(cache, instance), server
+        )
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
@@ -271,7 +323,11 @@ class Daemon:
             gate = PeerCredGate(cfg.unix_path, internal, cfg.effective_allow_uids)
         else:
             assert cfg.tls_cert and cfg.tls_key and cfg.tls_client_ca  # checked by ServerConfig
-            with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c, open(cfg.tls_client_ca, "rb") as ca:
+            with (
+                open(cfg.tls_key, "rb") as k,
+                open(cfg.tls_cert, "rb") as c,
+                open(cfg.tls_client_ca, "rb") as ca,
+            ):
                 creds = grpc.ssl_server_credentials(
                     [(k.read(), c.read())], root_certificates=ca.read(), require_client_auth=True
                 )
@@ -290,9 +346,13 @@ class Daemon:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "kvseal serving on %s (instance %s, %s, host tier %d bytes in %s, integrity policy %s)",
-            self.cfg.listen, self.instance, self.cache.backend.detail, self.cfg.host_bytes,
-            self.cache.region.description, self.cfg.integrity_policy.value,
-        )  # fmt: skip
+            self.cfg.listen,
+            self.instance,
+            self.cache.backend.detail,
+            self.cfg.host_bytes,
+            self.cache.region.description,
+            self.cfg.integrity_policy.value,
+        )
         sd_notify("READY=1\nSTATUS=serving")
 
     def begin_shutdown(self, exit_code: int = 0) -> None:

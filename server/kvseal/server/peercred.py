@@ -87,7 +87,9 @@ class PeerCredGate:
         pid, uid, _ = peer_credentials(sock)
         if uid not in self.allowed:
             self.denied += 1
-            log.warning("refused connection from pid %d uid %d: uid not in the allow list", pid, uid)
+            log.warning(
+                "refused connection from pid %d uid %d: uid not in the allow list", pid, uid
+            )
             writer.close()
             return
         try:

@@ -67,7 +67,9 @@ class Geometry:
         """Raise BadRequest naming the first problem; ``backend`` is "cpu" or
         "cuda" (which kind of buffer handle is required)."""
         if not 1 <= self.num_pages <= MAX_PAGES:
-            raise BadRequest(f"geometry.num_pages must be in [1, {MAX_PAGES}], got {self.num_pages}")
+            raise BadRequest(
+                f"geometry.num_pages must be in [1, {MAX_PAGES}], got {self.num_pages}"
+            )
         if not self.buffers or len(self.buffers) > MAX_BUFFERS:
             raise BadRequest(f"geometry.buffers must have 1..{MAX_BUFFERS} entries")
         if not self.segments or len(self.segments) > MAX_SEGMENTS:
@@ -90,7 +92,9 @@ class Geometry:
         for i, s in enumerate(self.segments):
             where = f"geometry.segments[{i}]"
             if s.buffer >= len(self.buffers):
-                raise BadRequest(f"{where}.buffer={s.buffer} but there are {len(self.buffers)} buffers")
+                raise BadRequest(
+                    f"{where}.buffer={s.buffer} but there are {len(self.buffers)} buffers"
+                )
             if s.bytes <= 0:
                 raise BadRequest(f"{where}.bytes must be positive")
             if self.num_pages > 1 and s.page_stride < s.bytes:

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
-
 from kvseal.server import convert
 from kvseal.server.cache import SealedCache
 from kvseal.server.errors import ERROR_METADATA_KEY, EventsOverflow, KVSealError, ShuttingDown
@@ -45,7 +44,7 @@ def handler(fn: Callable[..., R]) -> Callable[..., R]:
             return _abort(context, e)  # type: ignore[no-any-return]
         except Exception:
             code = grpc.StatusCode.INTERNAL
-            if context.code() is not None:  # already aborted by grpc itself
+            if getattr(context, "code", lambda: None)() is not None:  # aborted by grpc itself
                 raise
             log.exception("internal error in %s", fn.__name__)
             context.abort(grpc.StatusCode.INTERNAL, "internal error in kvseal (see daemon log)")
@@ -64,7 +63,9 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         self.on_done = on_done
 
     @handler
-    def RegisterPool(self, request: pb.RegisterPoolRequest, context: grpc.ServicerContext) -> pb.RegisterPoolReply:
+    def RegisterPool(
+        self, request: pb.RegisterPoolRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterPoolReply:
         spec = convert.pool_spec(request, self.cache.backend.kind)
         reg = self.cache.register_pool(spec)
         return pb.RegisterPoolReply(
@@ -76,7 +77,9 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         )
 
     @handler
-    def UnregisterPool(self, request: pb.UnregisterPoolRequest, context: grpc.ServicerContext) -> pb.UnregisterPoolReply:
+    def UnregisterPool(
+        self, request: pb.UnregisterPoolRequest, context: grpc.ServicerContext
+    ) -> pb.UnregisterPoolReply:
         self.cache.unregister_pool(request.pool_id)
         return pb.UnregisterPoolReply()
 
@@ -115,7 +118,9 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             list(request.page_ids),
             release=request.release,
         )
-        return pb.RestoreReply(restored_blocks=res.restored_blocks, restored_bytes=res.restored_bytes)
+        return pb.RestoreReply(
+            restored_blocks=res.restored_blocks, restored_bytes=res.restored_bytes
+        )
 
     @handler
     def Drop(self, request: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropReply:
@@ -158,7 +163,9 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             host_region=self.cache.region.description,
         )
 
-    def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.BlockEvent]:
+    def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.BlockEvent]:
         if request.tenant and len(request.tenant) != 32:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, "BAD_REQUEST"),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant must be empty or 32 bytes")
@@ -175,7 +182,9 @@ class KVSealServicer(pb_grpc.KVSealServicer):
                 if not self.cache.serving:
                     _abort(context, ShuttingDown("kvseal is shutting down"))
                 if sub.overflowed and sub.queue.empty():
-                    _abort(context, EventsOverflow("event watcher fell behind; resubscribe and resync"))
+                    _abort(
+                        context, EventsOverflow("event watcher fell behind; resubscribe and resync")
+                    )
                 try:
                     ev = sub.queue.get(timeout=0.25)
                 except queue.Empty:

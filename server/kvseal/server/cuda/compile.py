@@ -149,11 +149,14 @@ def compile_kernels(
     nvrtc = _nvrtc()
     prog = _check(
         nvrtc.nvrtcCreateProgram(
-            source, MAIN_SOURCE.encode(), len(headers), list(headers.values()),
+            source,
+            MAIN_SOURCE.encode(),
+            len(headers),
+            list(headers.values()),
             [h.encode() for h in headers],
         ),
         "nvrtcCreateProgram",
-    )  # fmt: skip
+    )
     try:
         encoded = [o.encode() for o in opts]
         err, *_ = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)

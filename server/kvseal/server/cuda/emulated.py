@@ -355,9 +355,15 @@ class Emulator:
         _check_len("nonce", nonce, NONCE_BYTES)
         out = ctypes.create_string_buffer(len(plaintext) + TAG_BYTES)
         rc = self._lib.kvseal_emu_gcm_seal(
-            key, nonce, aad, len(aad), plaintext, len(plaintext), out,
+            key,
+            nonce,
+            aad,
+            len(aad),
+            plaintext,
+            len(plaintext),
+            out,
             ctypes.addressof(out) + len(plaintext),
-        )  # fmt: skip
+        )
         _raise_for(rc)
         return out.raw
 
@@ -484,7 +490,7 @@ def _address(buf: Buffer, keep: list[object]) -> int:
 class _Call:
     """Host arrays for one emulated launch, validated so the C side stays in bounds."""
 
-    def __init__(  # noqa: PLR0917 - private, mirrors the public signatures positionally
+    def __init__(
         self,
         key: KeyContext,
         pool: Pool,

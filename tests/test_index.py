@@ -1,0 +1,880 @@
+"""kvseal.server.index.Index: the trusted index (pure, no I/O).
+
+Unit tests pin down the documented semantics one by one; a hypothesis
+state machine then drives random interleavings of every operation against a
+small reference model (chains, pins, pending stores, LRU order) and checks
+the index against it after every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
+from kvseal.server.errors import BlockNotPresent, CapacityExhausted
+from kvseal.server.hostregion import SLOT_ALIGN
+from kvseal.server.index import Entry, Index, State, StoreOutcome
+from kvseal.server.sealing import SealRecord
+
+NS = b"N" * 32
+NS2 = b"M" * 32
+T1 = b"t" * 32
+T2 = b"u" * 32
+BLOCK = SLOT_ALIGN  # one slot per block: capacity counts in blocks
+_nonces = itertools.count()
+
+
+def h(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+def record() -> SealRecord:
+    return SealRecord(0, next(_nonces).to_bytes(12, "big"), bytes(16))
+
+
+class Freed:
+    """The ``on_free`` callback: remembers every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[Entry] = []
+
+    def __call__(self, e: Entry) -> None:
+        self.calls.append(e)
+
+    def hashes(self) -> list[bytes]:
+        return [e.block_hash for e in self.calls]
+
+
+def make(blocks: int) -> tuple[Index, Freed]:
+    freed = Freed()
+    return Index(blocks * BLOCK, on_free=freed), freed
+
+
+def store(
+    idx: Index,
+    names: Sequence[str],
+    parent: str | None = None,
+    *,
+    tenant: bytes = T1,
+    ns: bytes = NS,
+) -> list[Entry]:
+    """begin_store + complete_store(success); returns the evicted entries."""
+    plan = idx.begin_store(ns, tenant, h(parent) if parent else None, [h(n) for n in names], BLOCK)
+    idx.complete_store(plan.new, [record() for _ in plan.new])
+    idx.check_invariants()
+    return plan.evicted
+
+
+def states(idx: Index, names: Sequence[str], tenant: bytes = T1, ns: bytes = NS) -> list[State]:
+    return idx.lookup(ns, tenant, [h(n) for n in names])[1]
+
+
+def names_of(entries: Sequence[Entry]) -> list[str]:
+    return [e.block_hash.rstrip(b".").decode() for e in entries]
+
+
+def snapshot(idx: Index) -> tuple[object, ...]:
+    """Everything observable about an index, for before/after comparisons."""
+    with idx._lock:
+        entries = tuple(
+            (
+                k,
+                e.state,
+                e.extent,
+                e.pins,
+                e.removed,
+                e.parent.key if e.parent else None,
+                tuple(sorted(c.key for c in e.children)),
+            )
+            for k, e in idx._map.items()
+        )
+        return (
+            entries,
+            tuple(idx._lru),
+            tuple(idx._alloc._offsets),
+            tuple(idx._alloc._sizes),
+            idx._alloc.used,
+            idx._generation,
+        )
+
+
+# ---------------------------------------------------------------- lookup
+
+
+def test_lookup_ready_prefix_and_pending_stops_it() -> None:
+    idx, _ = make(8)
+    store(idx, ["a", "b", "c"])
+    idx.begin_store(NS, T1, h("c"), [h("d")], BLOCK)  # d stays PENDING
+    store(idx, ["e"], "d")
+    hit, st_ = idx.lookup(NS, T1, [h(n) for n in "abcde"])
+    assert hit == 3
+    assert st_ == [State.READY] * 3 + [State.PENDING, State.READY]
+    hit, st_ = idx.lookup(NS, T1, [h("d"), h("a")])
+    assert (hit, st_) == (0, [State.PENDING, State.READY])
+    hit, st_ = idx.lookup(NS, T1, [h("a"), h("x"), h("b")])
+    assert (hit, st_) == (1, [State.READY, State.ABSENT, State.READY])
+    assert idx.stats().pending == 1 and idx.stats().ready == 4
+
+
+def test_lookup_does_not_change_lru() -> None:
+    idx, _ = make(2)
+    store(idx, ["a"])
+    store(idx, ["b"])
+    idx.lookup(NS, T1, [h("a")])
+    assert names_of(store(idx, ["c"])) == ["a"]
+
+
+def test_pending_is_invisible_to_restore() -> None:
+    idx, _ = make(4)
+    store(idx, ["a"])
+    idx.begin_store(NS, T1, None, [h("p")], BLOCK)
+    with pytest.raises(BlockNotPresent):
+        idx.begin_restore(NS, T1, [h("p")])
+    with pytest.raises(BlockNotPresent):
+        idx.begin_restore(NS, T1, [h("a"), h("p")])  # all or nothing
+    with pytest.raises(BlockNotPresent):
+        idx.begin_restore(NS, T1, [h("a"), h("absent")])
+    assert idx.stats().pinned == 0
+    assert idx._map[(NS, T1, h("a"))].pins == 0
+    idx.check_invariants()
+
+
+def test_offload_of_present_block_is_already_present_and_touches() -> None:
+    idx, _ = make(3)
+    store(idx, ["a"])
+    store(idx, ["b"])
+    store(idx, ["c"])
+    plan = idx.begin_store(NS, T1, None, [h("a"), h("x")], BLOCK)
+    assert plan.outcomes == [StoreOutcome.ALREADY_PRESENT, StoreOutcome.STORED]
+    assert names_of(plan.new) == ["x"] and plan.new_positions == [1]
+    # a was touched (and protected): b, the oldest other leaf, made room.
+    assert names_of(plan.evicted) == ["b"]
+    idx.complete_store(plan.new, [record()])
+    assert list(idx._lru) == [(NS, T1, h(n)) for n in ("c", "a", "x")]
+    idx.check_invariants()
+
+
+def test_offload_of_pending_block_is_in_progress() -> None:
+    idx, _ = make(4)
+    first = idx.begin_store(NS, T1, None, [h("a")], BLOCK)
+    plan = idx.begin_store(NS, T1, None, [h("a"), h("b")], BLOCK)
+    assert plan.outcomes == [StoreOutcome.IN_PROGRESS, StoreOutcome.STORED]
+    assert names_of(plan.new) == ["b"]
+    assert idx.stats().used_bytes == 2 * BLOCK
+    idx.complete_store(first.new, [record()])
+    idx.complete_store(plan.new, [record()])
+    assert states(idx, ["a", "b"]) == [State.READY, State.READY]
+    # b was linked to the pending a
+    assert idx._map[(NS, T1, h("b"))].parent is idx._map[(NS, T1, h("a"))]
+
+
+def test_touch_changes_lru_and_counts_only_ready() -> None:
+    idx, _ = make(3)
+    store(idx, ["a"])
+    store(idx, ["b"])
+    store(idx, ["c"])
+    assert idx.touch(NS, T1, [h("a"), h("zz")]) == 1
+    assert names_of(store(idx, ["d"])) == ["b"]
+    assert names_of(store(idx, ["e"])) == ["c"]
+    assert names_of(store(idx, ["f"])) == ["a"]
+
+
+# ---------------------------------------------------------------- eviction
+
+
+def test_eviction_is_leaf_first() -> None:
+    idx, freed = make(3)
+    store(idx, ["A", "B", "C"])  # A oldest, chain A <- B <- C
+    assert names_of(store(idx, ["X"])) == ["C"]
+    assert states(idx, ["A", "B", "C"]) == [State.READY, State.READY, State.ABSENT]
+    assert names_of(store(idx, ["Y"])) == ["B"]  # B is now a leaf and older than X
+    assert names_of(store(idx, ["Z"])) == ["A"]
+    assert names_of(freed.calls) == ["C", "B", "A"]
+
+
+def test_eviction_of_several_leaves_in_one_plan() -> None:
+    idx, freed = make(4)
+    store(idx, ["A", "B", "C"])
+    store(idx, ["D"])
+    plan = idx.begin_store(NS, T1, None, [h("X"), h("Y")], BLOCK)
+    # C is the oldest leaf; then B becomes one (older than D).
+    assert names_of(plan.evicted) == ["C", "B"]
+    assert names_of(freed.calls) == ["C", "B"]
+    idx.complete_store(plan.new, [record(), record()])
+    assert states(idx, ["A", "B", "C", "D", "X", "Y"]) == [
+        State.READY,
+        State.ABSENT,
+        State.ABSENT,
+        State.READY,
+        State.READY,
+        State.READY,
+    ]
+    idx.check_invariants()
+
+
+def test_eviction_never_takes_an_ancestor_of_a_present_block() -> None:
+    idx, _ = make(3)
+    store(idx, ["A", "B"])
+    store(idx, ["C"], "B")
+    idx.touch(NS, T1, [h("C"), h("B"), h("A")])  # reverse touch: A youngest
+    # Every block is in one chain: only the leaf C can go, whatever the LRU says.
+    assert names_of(store(idx, ["X"])) == ["C"]
+
+
+def test_parent_of_request_is_protected() -> None:
+    idx, _ = make(2)
+    store(idx, ["A"])
+    store(idx, ["B"])
+    # Continue A's chain: A is the oldest leaf, but it is the new block's parent.
+    ev = store(idx, ["A2"], "A")
+    assert names_of(ev) == ["B"]
+    assert idx._map[(NS, T1, h("A2"))].parent is idx._map[(NS, T1, h("A"))]
+
+
+def test_pinned_blocks_are_never_evicted() -> None:
+    idx, _ = make(3)
+    store(idx, ["a"])
+    store(idx, ["b"])
+    store(idx, ["c"])
+    pinned = idx.begin_restore(NS, T1, [h("a"), h("c")])
+    assert names_of(store(idx, ["d"])) == ["b"]
+    assert names_of(store(idx, ["e"])) == ["d"]
+    idx.complete_restore(pinned, release=False)
+    # a and c were touched by the restore: e is now the oldest
+    assert names_of(store(idx, ["f"])) == ["e"]
+
+
+def test_capacity_exhausted_is_atomic() -> None:
+    idx, freed = make(3)
+    store(idx, ["a"])
+    store(idx, ["b"])
+    store(idx, ["c"])
+    idx.begin_restore(NS, T1, [h("a"), h("b")])
+    before = snapshot(idx)
+    stats_before = idx.stats()
+    # Two new blocks need two slots; only c is evictable.
+    with pytest.raises(CapacityExhausted):
+        idx.begin_store(NS, T1, None, [h("x"), h("y")], BLOCK)
+    assert snapshot(idx) == before
+    assert idx.stats() == stats_before
+    assert states(idx, ["a", "b", "c", "x", "y"]) == [State.READY] * 3 + [State.ABSENT] * 2
+    assert freed.calls == []
+    idx.check_invariants()
+    # One block fits (c goes).
+    assert names_of(store(idx, ["x"])) == ["c"]
+
+
+def test_capacity_exhausted_when_everything_is_pinned_or_pending() -> None:
+    idx, freed = make(2)
+    store(idx, ["a"])
+    idx.begin_store(NS, T1, None, [h("p")], BLOCK)
+    idx.begin_restore(NS, T1, [h("a")])
+    before = snapshot(idx)
+    with pytest.raises(CapacityExhausted):
+        idx.begin_store(NS, T1, None, [h("x")], BLOCK)
+    assert snapshot(idx) == before and freed.calls == []
+
+
+def test_capacity_exhausted_when_room_needs_a_protected_block() -> None:
+    idx, _ = make(2)
+    store(idx, ["a"])
+    store(idx, ["b"])
+    before = snapshot(idx)
+    # Both present blocks are part of the request (a) or its parent (b).
+    with pytest.raises(CapacityExhausted):
+        idx.begin_store(NS, T1, h("b"), [h("a"), h("x")], BLOCK)
+    assert snapshot(idx) == before
+
+
+def test_block_larger_than_tier() -> None:
+    idx, _ = make(2)
+    before = snapshot(idx)
+    with pytest.raises(CapacityExhausted):
+        idx.begin_store(NS, T1, None, [h("x")], 2 * BLOCK + 1)
+    assert snapshot(idx) == before
+
+
+def test_unaligned_capacity_is_rounded_down() -> None:
+    idx = Index(2 * BLOCK + BLOCK - 1)
+    assert idx.stats().capacity_bytes == 2 * BLOCK
+    store(idx, ["a", "b"])
+    assert names_of(store(idx, ["c"])) == ["b"]
+
+
+# ---------------------------------------------------------------- drop
+
+
+def test_drop_cascades_to_descendants() -> None:
+    idx, freed = make(8)
+    store(idx, ["A", "B", "C", "D"])
+    store(idx, ["E"], "B")  # a branch off B
+    store(idx, ["Z"])
+    removed = idx.drop(NS, T1, [h("B")])
+    assert sorted(names_of(removed)) == ["B", "C", "D", "E"]
+    assert sorted(names_of(freed.calls)) == ["B", "C", "D", "E"]
+    assert states(idx, ["A", "B", "C", "D", "E", "Z"]) == [State.READY] + [State.ABSENT] * 4 + [
+        State.READY
+    ]
+    assert idx._map[(NS, T1, h("A"))].children == set()
+    assert idx.stats().used_bytes == 2 * BLOCK
+    assert idx.drop(NS, T1, [h("B"), h("nothing")]) == []
+    idx.check_invariants()
+
+
+def test_drop_all_of_tenant() -> None:
+    idx, _ = make(8)
+    store(idx, ["a", "b"])
+    store(idx, ["a", "c"], tenant=T2)
+    store(idx, ["a"], ns=NS2)
+    idx.begin_store(NS, T1, None, [h("p")], BLOCK)
+    removed = idx.drop(NS, T1, None)
+    assert sorted(names_of(removed)) == ["a", "b", "p"]
+    assert states(idx, ["a", "b", "p"]) == [State.ABSENT] * 3
+    assert states(idx, ["a", "c"], tenant=T2) == [State.READY] * 2
+    assert states(idx, ["a"], ns=NS2) == [State.READY]
+
+
+def test_drop_of_pinned_block_frees_its_slot_after_complete_restore() -> None:
+    idx, freed = make(2)
+    store(idx, ["a"])
+    pinned = idx.begin_restore(NS, T1, [h("a")])
+    old_extent = pinned[0].extent
+    assert names_of(idx.drop(NS, T1, [h("a")])) == ["a"]
+    assert states(idx, ["a"]) == [State.ABSENT]
+    assert idx.stats().used_bytes == BLOCK  # still held by the restore
+    assert freed.calls == []
+    # A new store of the same hash can start, in another slot.
+    plan = idx.begin_store(NS, T1, None, [h("a")], BLOCK)
+    assert plan.outcomes == [StoreOutcome.STORED]
+    assert plan.new[0].extent.offset != old_extent.offset
+    # The tier is full now (pinned old copy + pending new one).
+    with pytest.raises(CapacityExhausted):
+        idx.begin_store(NS, T1, None, [h("b")], BLOCK)
+    released, bad = idx.complete_restore(pinned, release=False)
+    assert released == [] and bad == []
+    assert freed.calls == pinned
+    assert idx.stats().used_bytes == BLOCK
+    idx.complete_store(plan.new, [record()])
+    assert states(idx, ["a"]) == [State.READY]
+    idx.check_invariants()
+
+
+# ---------------------------------------------------------------- restore
+
+
+def test_restore_pins_and_unpins() -> None:
+    idx, _ = make(4)
+    store(idx, ["a", "b"])
+    e1 = idx.begin_restore(NS, T1, [h("a"), h("b")])
+    e2 = idx.begin_restore(NS, T1, [h("b")])
+    assert [e.pins for e in e1] == [1, 2]
+    assert idx.stats().pinned == 2
+    idx.complete_restore(e1, release=False)
+    assert [e.pins for e in e1] == [0, 1]
+    idx.complete_restore(e2, release=False)
+    assert idx.stats().pinned == 0
+
+
+def test_write_back_release_keeps_descendants_and_unlinks_them() -> None:
+    idx, freed = make(4)
+    store(idx, ["A", "B", "C"])
+    entries = idx.begin_restore(NS, T1, [h("A")])
+    released, bad = idx.complete_restore(entries, release=True)
+    assert names_of(released) == ["A"] and bad == []
+    assert names_of(freed.calls) == ["A"]
+    assert idx.lookup(NS, T1, [h("A"), h("B"), h("C")]) == (
+        0,
+        [State.ABSENT, State.READY, State.READY],
+    )
+    b = idx._map[(NS, T1, h("B"))]
+    assert b.parent is None
+    assert entries[0].children == set() and entries[0].parent is None
+    assert idx.stats().used_bytes == 2 * BLOCK
+    idx.check_invariants()
+
+
+def test_write_back_release_of_a_middle_block() -> None:
+    idx, _ = make(4)
+    store(idx, ["A", "B", "C"])
+    entries = idx.begin_restore(NS, T1, [h("B")])
+    released, _ = idx.complete_restore(entries, release=True)
+    assert names_of(released) == ["B"]
+    a, c = idx._map[(NS, T1, h("A"))], idx._map[(NS, T1, h("C"))]
+    assert a.children == set() and c.parent is None
+    # A is a leaf now and the oldest: it goes first.
+    assert names_of(store(idx, ["X", "Y", "Z"])) == ["A"]
+
+
+def test_failed_restore_removes_failed_blocks_with_descendants() -> None:
+    idx, freed = make(6)
+    store(idx, ["A", "B", "C"])
+    store(idx, ["D"])
+    entries = idx.begin_restore(NS, T1, [h("A"), h("B"), h("C"), h("D")])
+    b = entries[1]
+    released, bad = idx.complete_restore(entries, release=False, failed=[b])
+    assert released == []
+    assert sorted(names_of(bad)) == ["B", "C"]
+    assert states(idx, ["A", "B", "C", "D"]) == [
+        State.READY,
+        State.ABSENT,
+        State.ABSENT,
+        State.READY,
+    ]
+    assert sorted(names_of(freed.calls)) == ["B", "C"]  # unpinned now: freed
+    idx.check_invariants()
+
+
+def test_failed_restore_descendant_pinned_by_another_restore() -> None:
+    idx, freed = make(4)
+    store(idx, ["A", "B"])
+    other = idx.begin_restore(NS, T1, [h("B")])
+    mine = idx.begin_restore(NS, T1, [h("A")])
+    _, bad = idx.complete_restore(mine, release=False, failed=mine)
+    assert sorted(names_of(bad)) == ["A", "B"]
+    assert names_of(freed.calls) == ["A"]  # B is still pinned by the other restore
+    assert idx.stats().used_bytes == BLOCK
+    idx.complete_restore(other, release=False)
+    assert names_of(freed.calls) == ["A", "B"]
+    assert idx.stats().used_bytes == 0
+
+
+# ---------------------------------------------------------------- store completion
+
+
+def test_complete_store_with_none_frees_the_slot() -> None:
+    idx, freed = make(2)
+    plan = idx.begin_store(NS, T1, None, [h("a")], BLOCK)
+    assert idx.stats().used_bytes == BLOCK
+    idx.complete_store(plan.new, [None])
+    assert idx.stats().used_bytes == 0
+    assert states(idx, ["a"]) == [State.ABSENT]
+    assert freed.calls == []  # no record, nothing to forget
+    idx.check_invariants()
+    store(idx, ["a", "b"])  # the space is really back
+
+
+def test_failed_store_of_a_parent_cascades_to_the_rest_of_the_chain() -> None:
+    idx, freed = make(4)
+    plan = idx.begin_store(NS, T1, None, [h("A"), h("B"), h("C")], BLOCK)
+    rb, rc = record(), record()
+    idx.complete_store(plan.new, [None, rb, rc])
+    assert states(idx, ["A", "B", "C"]) == [State.ABSENT] * 3
+    assert idx.stats().used_bytes == 0
+    assert names_of(freed.calls) == ["B", "C"]  # sealed ones: their epochs are released
+    idx.check_invariants()
+
+
+def test_removed_while_pending_is_freed_at_complete_store() -> None:
+    idx, freed = make(2)
+    plan = idx.begin_store(NS, T1, None, [h("a")], BLOCK)
+    removed = idx.drop(NS, T1, [h("a")])
+    assert removed == plan.new
+    assert idx.stats().used_bytes == BLOCK  # the sealing thread still writes into it
+    assert freed.calls == []
+    plan2 = idx.begin_store(NS, T1, None, [h("a")], BLOCK)  # a new store may start
+    assert plan2.outcomes == [StoreOutcome.STORED]
+    assert plan2.new[0].extent != plan.new[0].extent
+    idx.complete_store(plan.new, [record()])
+    assert freed.calls == plan.new
+    assert idx.stats().used_bytes == BLOCK
+    assert states(idx, ["a"]) == [State.PENDING]  # the second store
+    idx.complete_store(plan2.new, [record()])
+    assert states(idx, ["a"]) == [State.READY]
+    idx.check_invariants()
+
+
+def test_child_of_pending_parent_removed_by_drop_of_parent() -> None:
+    idx, freed = make(4)
+    plan = idx.begin_store(NS, T1, None, [h("A")], BLOCK)
+    store(idx, ["B"], "A")  # B READY, linked to the pending A
+    removed = idx.drop(NS, T1, [h("A")])
+    assert sorted(names_of(removed)) == ["A", "B"]
+    assert names_of(freed.calls) == ["B"]
+    idx.complete_store(plan.new, [record()])
+    assert names_of(freed.calls) == ["B", "A"]
+    assert idx.stats().used_bytes == 0
+
+
+def test_generations_increase() -> None:
+    idx, _ = make(4)
+    p1 = idx.begin_store(NS, T1, None, [h("a"), h("b")], BLOCK)
+    p2 = idx.begin_store(NS, T2, None, [h("a")], BLOCK)
+    gens = [e.generation for e in p1.new + p2.new]
+    assert gens == sorted(gens) and len(set(gens)) == 3
+
+
+# ---------------------------------------------------------------- isolation
+
+
+def test_tenants_and_namespaces_are_isolated() -> None:
+    idx, _ = make(8)
+    store(idx, ["a", "b"], tenant=T1)
+    assert idx.lookup(NS, T2, [h("a")]) == (0, [State.ABSENT])
+    assert idx.lookup(NS2, T1, [h("a")]) == (0, [State.ABSENT])
+    with pytest.raises(BlockNotPresent):
+        idx.begin_restore(NS, T2, [h("a")])
+    with pytest.raises(BlockNotPresent):
+        idx.begin_restore(NS2, T1, [h("a")])
+    assert idx.touch(NS, T2, [h("a")]) == 0
+    assert idx.drop(NS, T2, [h("a")]) == []
+    assert idx.drop(NS, T2, None) == []
+    assert idx.drop(NS2, T1, None) == []
+    # Same hash in another tenant is a separate block, not ALREADY_PRESENT.
+    plan = idx.begin_store(NS, T2, h("a"), [h("a"), h("b")], BLOCK)
+    assert plan.outcomes == [StoreOutcome.STORED, StoreOutcome.STORED]
+    idx.complete_store(plan.new, [record(), record()])
+    # T1's chain is not the parent of T2's (parent_hash resolves per tenant)
+    assert plan.new[0].parent is None
+    assert states(idx, ["a", "b"], tenant=T1) == [State.READY] * 2
+    assert len(idx.drop(NS, T1, None)) == 2
+    assert states(idx, ["a", "b"], tenant=T2) == [State.READY] * 2
+
+
+# ================================================================ state machine
+
+HASHES = [h(f"k{i}") for i in range(6)]
+TENANTS = [T1, T2]
+CAPACITY_BLOCKS = 5
+
+
+@dataclass(eq=False)
+class MEntry:
+    """The model's view of one entry (matched to the real one by identity)."""
+
+    entry: Entry
+    tenant: bytes
+    hash: bytes
+    state: State = State.PENDING
+    parent: MEntry | None = None
+    children: set[MEntry] = field(default_factory=set)
+    pins: int = 0
+    removed: bool = False
+    sealing: bool = True
+    has_record: bool = False
+
+    @property
+    def freed(self) -> bool:
+        return self.removed and self.pins == 0 and not self.sealing
+
+
+class IndexMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frees: Counter[int] = Counter()
+        self.idx = Index(CAPACITY_BLOCKS * BLOCK + 17, on_free=self._on_free)
+        self.model: dict[int, MEntry] = {}  # id(entry) -> model, every entry ever made
+        self.live: dict[tuple[bytes, bytes], MEntry] = {}  # (tenant, hash) -> model
+        self.lru: OrderedDict[MEntry, None] = OrderedDict()
+        self.pending: list[list[MEntry]] = []
+        self.restores: list[list[MEntry]] = []
+
+    def _on_free(self, e: Entry) -> None:
+        # Called under the index lock, before the model has caught up: only
+        # count here; the invariant checks the count against the model.
+        self.frees[id(e)] += 1
+        assert id(e) in self.model or e.record is not None
+
+    # ---------------------------------------------------------- model helpers
+
+    def m_remove(self, m: MEntry, *, cascade: bool, reparent: bool = False) -> list[MEntry]:
+        out = [m]
+        m.removed = True
+        self.live.pop((m.tenant, m.hash), None)
+        self.lru.pop(m, None)
+        if m.parent is not None:
+            m.parent.children.discard(m)
+            m.parent = None
+        kids = list(m.children)
+        m.children.clear()
+        for c in kids:
+            c.parent = None
+            if cascade and not reparent and not c.removed:
+                out.extend(self.m_remove(c, cascade=True))
+        return out
+
+    def evictable(self, m: MEntry, protected: set[MEntry]) -> bool:
+        return (
+            m.state is State.READY
+            and m.pins == 0
+            and m not in protected
+            and all(self.evictable(c, protected) for c in m.children)
+        )
+
+    def expected_victims(self, n_new: int, protected: set[MEntry]) -> list[MEntry] | None:
+        """The greedy LRU-leaf eviction on the model; None: cannot fit."""
+        used = sum(1 for m in self.model.values() if not m.freed)
+        free = CAPACITY_BLOCKS - used
+        if free >= n_new:
+            return []
+        victims: list[MEntry] = []
+        gone: set[MEntry] = set()
+        while free < n_new:
+            cand = next(
+                (
+                    m
+                    for m in self.lru
+                    if m not in gone
+                    and m not in protected
+                    and m.pins == 0
+                    and not (m.children - gone)
+                ),
+                None,
+            )
+            if cand is None:
+                return None
+            victims.append(cand)
+            gone.add(cand)
+            free += 1
+        return victims
+
+    def ids(self, entries: Sequence[Entry]) -> list[MEntry]:
+        return [self.model[id(e)] for e in entries]
+
+    # ---------------------------------------------------------- rules
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        parent=st.none() | st.sampled_from(HASHES),
+        hashes=st.lists(st.sampled_from(HASHES), min_size=1, max_size=4, unique=True),
+    )
+    def begin_store(self, tenant: bytes, parent: bytes | None, hashes: list[bytes]) -> None:
+        existing = [self.live.get((tenant, x)) for x in hashes]
+        parent0 = self.live.get((tenant, parent)) if parent else None
+        protected = {m for m in existing if m is not None}
+        if parent0 is not None:
+            protected.add(parent0)
+        n_new = sum(1 for m in existing if m is None)
+        expected = self.expected_victims(n_new, protected)
+        before = snapshot(self.idx)
+        frees_before = sum(self.frees.values())
+        try:
+            plan = self.idx.begin_store(NS, tenant, parent, hashes, BLOCK)
+        except CapacityExhausted:
+            assert expected is None, "refused although room could be made"
+            assert snapshot(self.idx) == before, "a refused store changed the index"
+            assert sum(self.frees.values()) == frees_before
+            return
+        assert expected is not None, "accepted although nothing could be evicted"
+        exp_outcomes = [
+            StoreOutcome.STORED
+            if m is None
+            else StoreOutcome.ALREADY_PRESENT
+            if m.state is State.READY
+            else StoreOutcome.IN_PROGRESS
+            for m in existing
+        ]
+        assert plan.outcomes == exp_outcomes
+        assert plan.new_positions == [i for i, m in enumerate(existing) if m is None]
+        # Eviction: exactly the greedy choice; each victim a leaf, unpinned, READY.
+        assert len(plan.evicted) == len(expected)
+        for e, m in zip(plan.evicted, expected, strict=True):
+            assert self.model[id(e)] is m, "wrong victim (not the LRU leaf)"
+            assert m.pins == 0 and m.state is State.READY and not m.children
+            assert e.pins == 0
+            self.m_remove(m, cascade=False)
+        # New entries, linked like the index links them.
+        new_models: list[MEntry] = []
+        for e, pos in zip(plan.new, plan.new_positions, strict=True):
+            assert e.block_hash == hashes[pos] and e.state is State.PENDING
+            m = MEntry(e, tenant, hashes[pos])
+            self.model[id(e)] = m
+            self.live[(tenant, hashes[pos])] = m
+            new_models.append(m)
+        for i, x in enumerate(hashes):
+            if exp_outcomes[i] is not StoreOutcome.STORED:
+                continue
+            child = self.live[(tenant, x)]
+            par = parent0 if i == 0 else self.live.get((tenant, hashes[i - 1]))
+            if par is not None and not par.removed:
+                child.parent = par
+                par.children.add(child)
+        for i, x in enumerate(hashes):
+            if exp_outcomes[i] is StoreOutcome.ALREADY_PRESENT:
+                self.lru.move_to_end(self.live[(tenant, x)])
+        if new_models:
+            self.pending.append(new_models)
+
+    @precondition(lambda self: bool(self.pending))
+    @rule(data=st.data())
+    def complete_store(self, data: st.DataObject) -> None:
+        batch = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        ok = data.draw(st.lists(st.booleans(), min_size=len(batch), max_size=len(batch)))
+        records = [record() if good else None for good in ok]
+        self.idx.complete_store([m.entry for m in batch], records)
+        for m, good in zip(batch, ok, strict=True):
+            m.has_record = good
+            if m.removed or not good:
+                if not m.removed:
+                    self.m_remove(m, cascade=True)
+                m.sealing = False
+                if good:
+                    m.state = State.READY
+                continue
+            m.sealing = False
+            m.state = State.READY
+            self.lru[m] = None
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        hashes=st.lists(st.sampled_from(HASHES), min_size=1, max_size=4, unique=True),
+    )
+    def begin_restore(self, tenant: bytes, hashes: list[bytes]) -> None:
+        ms = [self.live.get((tenant, x)) for x in hashes]
+        before = snapshot(self.idx)
+        if any(m is None or m.state is not State.READY for m in ms):
+            with pytest.raises(BlockNotPresent):
+                self.idx.begin_restore(NS, tenant, hashes)
+            assert snapshot(self.idx) == before
+            return
+        entries = self.idx.begin_restore(NS, tenant, hashes)
+        got = self.ids(entries)
+        assert got == ms
+        for m in got:
+            m.pins += 1
+        self.restores.append(got)
+
+    @precondition(lambda self: bool(self.restores))
+    @rule(data=st.data(), release=st.booleans())
+    def complete_restore(self, data: st.DataObject, release: bool) -> None:
+        batch = self.restores.pop(data.draw(st.integers(0, len(self.restores) - 1)))
+        failed = [m for m in batch if data.draw(st.integers(0, 4)) == 0]
+        released, bad = self.idx.complete_restore(
+            [m.entry for m in batch], release=release, failed=[m.entry for m in failed]
+        )
+        exp_bad: list[MEntry] = []
+        for m in failed:
+            if not m.removed:
+                exp_bad.extend(self.m_remove(m, cascade=True))
+        exp_rel: list[MEntry] = []
+        failed_set = set(failed)
+        if release:
+            for m in batch:
+                if m not in failed_set and not m.removed:
+                    exp_rel.extend(self.m_remove(m, cascade=False, reparent=True))
+        else:
+            for m in batch:
+                if not m.removed and m in self.lru:
+                    self.lru.move_to_end(m)
+        for m in batch:
+            m.pins -= 1
+        assert set(self.ids(released)) == set(exp_rel)
+        assert len(released) == len(exp_rel)
+        assert set(self.ids(bad)) == set(exp_bad)
+        assert len(bad) == len(exp_bad)
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        hashes=st.none() | st.lists(st.sampled_from(HASHES), min_size=1, max_size=3, unique=True),
+    )
+    def drop(self, tenant: bytes, hashes: list[bytes] | None) -> None:
+        if hashes is None:
+            targets = [m for (t, _), m in self.live.items() if t == tenant]
+        else:
+            targets = [m for x in hashes if (m := self.live.get((tenant, x))) is not None]
+        exp: list[MEntry] = []
+        for m in targets:
+            if not m.removed:
+                exp.extend(self.m_remove(m, cascade=True))
+        removed = self.idx.drop(NS, tenant, hashes)
+        assert set(self.ids(removed)) == set(exp)
+        assert len(removed) == len(exp)
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        hashes=st.lists(st.sampled_from(HASHES), min_size=1, max_size=4),
+    )
+    def touch(self, tenant: bytes, hashes: list[bytes]) -> None:
+        n = 0
+        for x in hashes:
+            m = self.live.get((tenant, x))
+            if m is not None and m in self.lru:
+                self.lru.move_to_end(m)
+                n += 1
+        assert self.idx.touch(NS, tenant, hashes) == n
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        hashes=st.lists(st.sampled_from(HASHES), min_size=1, max_size=6),
+    )
+    def lookup(self, tenant: bytes, hashes: list[bytes]) -> None:
+        lru_before = list(self.idx._lru)
+        hit, got = self.idx.lookup(NS, tenant, hashes)
+        exp = [
+            State.ABSENT if (m := self.live.get((tenant, x))) is None else m.state for x in hashes
+        ]
+        assert got == exp
+        exp_hit = next((i for i, s in enumerate(exp) if s is not State.READY), len(exp))
+        assert hit == exp_hit
+        assert list(self.idx._lru) == lru_before
+
+    # ---------------------------------------------------------- invariants
+
+    @invariant()
+    def consistent(self) -> None:
+        idx = self.idx
+        idx.check_invariants()
+        stats = idx.stats()
+        assert stats.used_bytes <= stats.capacity_bytes == CAPACITY_BLOCKS * BLOCK
+        # The live map and the LRU order match the model exactly.
+        assert {(k[1], k[2]): id(e) for k, e in idx._map.items()} == {
+            k: id(m.entry) for k, m in self.live.items()
+        }
+        assert [id(e) for e in idx._lru.values()] == [id(m.entry) for m in self.lru]
+        # Every entry holding a slot holds a distinct one, and the allocator agrees.
+        held = sorted(
+            (m.entry.extent.offset, m.entry.extent.size)
+            for m in self.model.values()
+            if m.entry.extent.size
+        )
+        for (o1, s1), (o2, _) in itertools.pairwise(held):
+            assert o1 + s1 <= o2, "overlapping slots"
+        assert sum(s for _, s in held) == stats.used_bytes
+        for m in self.model.values():
+            e = m.entry
+            assert e.removed == m.removed
+            assert e.pins == m.pins
+            assert e.state is m.state or m.removed
+            assert (e.parent is None) == (m.parent is None)
+            if m.parent is not None:
+                assert e.parent is m.parent.entry
+            assert {id(c) for c in e.children} == {id(c.entry) for c in m.children}
+            # A slot is released exactly when the entry is removed and idle...
+            assert (e.extent.size == 0) == m.freed, (m, e)
+            # ...and on_free ran once for it iff it carried a record.
+            assert self.frees[id(e)] == (1 if m.freed and m.has_record else 0)
+        assert stats.pinned == sum(1 for m in self.live.values() if m.pins)
+        assert stats.pending == sum(1 for m in self.live.values() if m.state is State.PENDING)
+        assert stats.ready == len(self.lru)
+
+    def teardown(self) -> None:
+        # Finish everything in flight: the index must end empty of held slots
+        # once all is dropped.
+        for batch in self.pending:
+            self.idx.complete_store([m.entry for m in batch], [record() for _ in batch])
+        for batch in self.restores:
+            self.idx.complete_restore([m.entry for m in batch], release=False)
+        for t in TENANTS:
+            self.idx.drop(NS, t, None)
+        self.idx.check_invariants()
+        assert self.idx.stats().used_bytes == 0
+        assert self.idx._alloc.free_bytes() == self.idx._alloc.capacity
+
+
+IndexMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestIndexStateMachine = IndexMachine.TestCase
