@@ -22,5 +22,7 @@ BIN = Path(sys.executable).parent
     ids=["ruff-check", "ruff-format", "mypy"],
 )
 def test_static_checks(cmd: list[str]) -> None:
-    r = subprocess.run([str(BIN / cmd[0]), *cmd[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [str(BIN / cmd[0]), *cmd[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout + r.stderr
