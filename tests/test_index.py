@@ -543,9 +543,11 @@ def test_tenants_and_namespaces_are_isolated() -> None:
 
 # ================================================================ state machine
 
-HASHES = [h(f"k{i}") for i in range(6)]
+HASHES = [h(f"k{i}") for i in range(8)]
 TENANTS = [T1, T2]
-CAPACITY_BLOCKS = 5
+CAPACITY_BLOCKS = 6
+PARENTS = st.none() | st.sampled_from(HASHES)
+STORE_HASHES = st.lists(st.sampled_from(HASHES), min_size=1, max_size=4, unique=True)
 
 
 @dataclass(eq=False)
@@ -643,12 +645,30 @@ class IndexMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------- rules
 
+    @rule(tenant=st.sampled_from(TENANTS), parent=PARENTS, hashes=STORE_HASHES)
+    def begin_store(self, tenant: bytes, parent: bytes | None, hashes: list[bytes]) -> None:
+        """A store whose sealing is still running (completed by a later rule)."""
+        batch = self._begin_store(tenant, parent, hashes)
+        if batch:
+            self.pending.append(batch)
+
     @rule(
         tenant=st.sampled_from(TENANTS),
-        parent=st.none() | st.sampled_from(HASHES),
-        hashes=st.lists(st.sampled_from(HASHES), min_size=1, max_size=4, unique=True),
+        parent=PARENTS,
+        hashes=STORE_HASHES,
+        ok=st.lists(st.booleans() | st.just(True), min_size=4, max_size=4),
     )
-    def begin_store(self, tenant: bytes, parent: bytes | None, hashes: list[bytes]) -> None:
+    def store(
+        self, tenant: bytes, parent: bytes | None, hashes: list[bytes], ok: list[bool]
+    ) -> None:
+        """The common case: begin_store and complete_store back to back."""
+        batch = self._begin_store(tenant, parent, hashes)
+        if batch:
+            self._complete_store(batch, ok[: len(batch)])
+
+    def _begin_store(
+        self, tenant: bytes, parent: bytes | None, hashes: list[bytes]
+    ) -> list[MEntry]:
         existing = [self.live.get((tenant, x)) for x in hashes]
         parent0 = self.live.get((tenant, parent)) if parent else None
         protected = {m for m in existing if m is not None}
@@ -664,7 +684,7 @@ class IndexMachine(RuleBasedStateMachine):
             assert expected is None, "refused although room could be made"
             assert snapshot(self.idx) == before, "a refused store changed the index"
             assert sum(self.frees.values()) == frees_before
-            return
+            return []
         assert expected is not None, "accepted although nothing could be evicted"
         exp_outcomes = [
             StoreOutcome.STORED
@@ -702,14 +722,16 @@ class IndexMachine(RuleBasedStateMachine):
         for i, x in enumerate(hashes):
             if exp_outcomes[i] is StoreOutcome.ALREADY_PRESENT:
                 self.lru.move_to_end(self.live[(tenant, x)])
-        if new_models:
-            self.pending.append(new_models)
+        return new_models
 
     @precondition(lambda self: bool(self.pending))
     @rule(data=st.data())
     def complete_store(self, data: st.DataObject) -> None:
         batch = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
         ok = data.draw(st.lists(st.booleans(), min_size=len(batch), max_size=len(batch)))
+        self._complete_store(batch, ok)
+
+    def _complete_store(self, batch: list[MEntry], ok: list[bool]) -> None:
         records = [record() if good else None for good in ok]
         self.idx.complete_store([m.entry for m in batch], records)
         for m, good in zip(batch, ok, strict=True):

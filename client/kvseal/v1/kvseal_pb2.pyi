@@ -202,18 +202,20 @@ class TouchReply(_message.Message):
     def __init__(self, touched: _Optional[int] = ...) -> None: ...
 
 class OffloadRequest(_message.Message):
-    __slots__ = ("pool_id", "tenant", "parent_hash", "block_hashes", "page_ids")
+    __slots__ = ("pool_id", "tenant", "parent_hash", "block_hashes", "page_ids", "cuda_event_ipc_handle")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_EVENT_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     tenant: bytes
     parent_hash: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     page_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cuda_event_ipc_handle: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., cuda_event_ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class OffloadReply(_message.Message):
     __slots__ = ("outcomes", "stored_blocks", "stored_bytes", "evicted_blocks")
@@ -228,18 +230,20 @@ class OffloadReply(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[OffloadOutcome, str]]] = ..., stored_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("pool_id", "tenant", "block_hashes", "page_ids", "release")
+    __slots__ = ("pool_id", "tenant", "block_hashes", "page_ids", "release", "cuda_event_ipc_handle")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_EVENT_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     tenant: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     release: bool
-    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., release: _Optional[bool] = ...) -> None: ...
+    cuda_event_ipc_handle: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., release: _Optional[bool] = ..., cuda_event_ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
     __slots__ = ("restored_blocks", "restored_bytes")

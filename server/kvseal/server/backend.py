@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from kvseal.server.errors import HandleUnusable
+from kvseal.server.errors import BadRequest, HandleUnusable
 from kvseal.server.hostregion import Extent, HostRegion
 from kvseal.server.memcopy import Pinned, memmove
 from kvseal.server.pools import MappedPool, PoolSpec
@@ -54,14 +54,41 @@ class BlockIO:
     size: int
 
 
+class Region(Protocol):
+    """The host region as the cache and the stats see it. ``HostRegion`` is
+    the CPU backend's; the CUDA backend brings pinned host memory of its own
+    with the same surface (and the same rule: only ciphertext goes in)."""
+
+    capacity: int
+    description: str
+
+    def write(self, offset: int, data: memoryview) -> None: ...
+
+    def read_into(self, offset: int, out: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class Backend(Protocol):
+    """See the module docstring for the contract of each method.
+
+    ``wait_event`` is the engine's CUDA IPC event handle (CUDA backend only):
+    the backend must wait on it before touching the pool's pages.
+    """
+
     kind: str  # "cpu" | "cuda"
     detail: str
+
+    def make_region(self, capacity: int, path: str | None) -> Region: ...
 
     def map_pool(self, spec: PoolSpec) -> MappedPool: ...
 
     def seal_blocks(
-        self, pool: MappedPool, blocks: Sequence[BlockIO], region: HostRegion
+        self,
+        pool: MappedPool,
+        blocks: Sequence[BlockIO],
+        region: Region,
+        wait_event: bytes | None = None,
     ) -> list[SealRecord]: ...
 
     def open_blocks(
@@ -69,7 +96,8 @@ class Backend(Protocol):
         pool: MappedPool,
         blocks: Sequence[BlockIO],
         records: Sequence[SealRecord],
-        region: HostRegion,
+        region: Region,
+        wait_event: bytes | None = None,
     ) -> list[int]: ...
 
     def close(self) -> None: ...
@@ -219,8 +247,16 @@ class CpuBackend:
         self._staging = _StagingPool(limit=1 << 30)
         self.detail = f"cpu: AES-256-GCM (cryptography), {self._workers} sealing threads"
 
+    def make_region(self, capacity: int, path: str | None) -> HostRegion:
+        return HostRegion(capacity, path)
+
     def map_pool(self, spec: PoolSpec) -> CpuMappedPool:
         return CpuMappedPool(spec)
+
+    @staticmethod
+    def _no_event(wait_event: bytes | None) -> None:
+        if wait_event:
+            raise BadRequest("cuda_event_ipc_handle is only meaningful on the CUDA backend")
 
     def _parallel(self, n: int, fn: Callable[[int, int], list[T]]) -> list[T]:
         """Run ``fn(start, stop)`` over contiguous chunks of ``range(n)``."""
@@ -237,9 +273,14 @@ class CpuBackend:
         return out
 
     def seal_blocks(
-        self, pool: MappedPool, blocks: Sequence[BlockIO], region: HostRegion
+        self,
+        pool: MappedPool,
+        blocks: Sequence[BlockIO],
+        region: Region,
+        wait_event: bytes | None = None,
     ) -> list[SealRecord]:
         assert isinstance(pool, CpuMappedPool)
+        self._no_event(wait_event)
 
         def work(a: int, b: int) -> list[SealRecord]:
             records = []
@@ -258,9 +299,11 @@ class CpuBackend:
         pool: MappedPool,
         blocks: Sequence[BlockIO],
         records: Sequence[SealRecord],
-        region: HostRegion,
+        region: Region,
+        wait_event: bytes | None = None,
     ) -> list[int]:
         assert isinstance(pool, CpuMappedPool)
+        self._no_event(wait_event)
         offsets = [0]
         for blk in blocks:
             offsets.append(offsets[-1] + blk.size + TAG_BYTES)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvseal.server.backend import Backend, BlockIO
+from kvseal.server.backend import Backend, BlockIO, Region
 from kvseal.server.config import IntegrityPolicy, ServerConfig
 from kvseal.server.errors import (
     BackendMismatch,
@@ -24,7 +24,6 @@ from kvseal.server.errors import (
     ShuttingDown,
 )
 from kvseal.server.events import EventBus, EventKind
-from kvseal.server.hostregion import HostRegion
 from kvseal.server.index import Entry, Index, Removal, State, StoreOutcome
 from kvseal.server.pools import Pool, PoolRegistry, PoolSpec
 from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer
@@ -85,7 +84,7 @@ class SealedCache:
         self,
         config: ServerConfig,
         backend: Backend,
-        region: HostRegion,
+        region: Region,
         sealer: BlockSealer,
         on_integrity_abort: Callable[[], None] | None = None,
         observer: Observer | None = None,
@@ -232,6 +231,7 @@ class SealedCache:
         parent_hash: bytes | None,
         hashes: Sequence[bytes],
         pages: Sequence[int],
+        wait_event: bytes | None = None,
     ) -> OffloadResult:
         self._check_serving()
         self._check_tenant(tenant)
@@ -257,7 +257,9 @@ class SealedCache:
             t0 = time.perf_counter()
             try:
                 records = (
-                    self.backend.seal_blocks(pool.mapped, blocks, self.region) if blocks else []
+                    self.backend.seal_blocks(pool.mapped, blocks, self.region, wait_event)
+                    if blocks
+                    else []
                 )
             except BaseException:
                 self.index.complete_store(plan.new, [None] * len(plan.new))
@@ -282,6 +284,7 @@ class SealedCache:
         pages: Sequence[int],
         *,
         release: bool,
+        wait_event: bytes | None = None,
     ) -> RestoreResult:
         self._check_serving()
         self._check_tenant(tenant)
@@ -301,7 +304,9 @@ class SealedCache:
                     for e, p in zip(entries, pages, strict=True)
                 ]
                 t0 = time.perf_counter()
-                failed_idx = self.backend.open_blocks(pool.mapped, blocks, records, self.region)
+                failed_idx = self.backend.open_blocks(
+                    pool.mapped, blocks, records, self.region, wait_event
+                )
                 elapsed = time.perf_counter() - t0
             except BaseException:
                 self.index.complete_restore(entries, release=False)

@@ -43,7 +43,7 @@ from kvseal.server.config import (
     default_socket_path,
     parse_size,
 )
-from kvseal.server.hostregion import HostRegion, RegionError
+from kvseal.server.hostregion import RegionError
 from kvseal.server.peercred import PeerCredGate
 from kvseal.server.service import KVSealServicer
 from kvseal.v1 import kvseal_pb2 as pb
@@ -280,7 +280,7 @@ class Daemon:
         sealer = sealing.BlockSealer(cfg.rekey_after)
         backend = make_backend(cfg, sealer)
         try:
-            region = HostRegion(cfg.host_bytes, cfg.host_region)
+            region = backend.make_region(cfg.host_bytes, cfg.host_region)
         except RegionError as e:
             backend.close()
             raise SystemExit(f"kvseal-server: {e}") from e

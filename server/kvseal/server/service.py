@@ -101,6 +101,7 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             request.parent_hash or None,
             list(request.block_hashes),
             list(request.page_ids),
+            wait_event=request.cuda_event_ipc_handle or None,
         )
         return pb.OffloadReply(
             outcomes=[convert.OUTCOME_ENUMS[o] for o in res.outcomes],
@@ -117,6 +118,7 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             list(request.block_hashes),
             list(request.page_ids),
             release=request.release,
+            wait_event=request.cuda_event_ipc_handle or None,
         )
         return pb.RestoreReply(
             restored_blocks=res.restored_blocks, restored_bytes=res.restored_bytes
