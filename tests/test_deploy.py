@@ -86,7 +86,9 @@ DAEMON_FLAGS = {
 # The daemon's Prometheus metrics (the only names the dashboard may use).
 KVSEAL_METRICS = {
     "kvseal_lookups_total",
+    "kvseal_lookup_blocks_total",
     "kvseal_lookup_hit_blocks_total",
+    "kvseal_dropped_blocks_total",
     "kvseal_offloaded_blocks_total",
     "kvseal_offloaded_bytes_total",
     "kvseal_restored_blocks_total",

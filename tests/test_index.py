@@ -645,6 +645,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------- rules
 
+    @precondition(lambda self: len(self.pending) < 2)
     @rule(tenant=st.sampled_from(TENANTS), parent=PARENTS, hashes=STORE_HASHES)
     def begin_store(self, tenant: bytes, parent: bytes | None, hashes: list[bytes]) -> None:
         """A store whose sealing is still running (completed by a later rule)."""
@@ -747,11 +748,25 @@ class IndexMachine(RuleBasedStateMachine):
             m.state = State.READY
             self.lru[m] = None
 
+    @precondition(lambda self: len(self.restores) < 3)
     @rule(
         tenant=st.sampled_from(TENANTS),
         hashes=st.lists(st.sampled_from(HASHES), min_size=1, max_size=4, unique=True),
     )
     def begin_restore(self, tenant: bytes, hashes: list[bytes]) -> None:
+        """A restore of arbitrary hashes (mostly refused: absent or pending)."""
+        self._begin_restore(tenant, hashes)
+
+    @precondition(lambda self: len(self.restores) < 3 and bool(self.lru))
+    @rule(data=st.data())
+    def restore_present(self, data: st.DataObject) -> None:
+        """A restore of blocks that are READY (a lookup hit): pins them."""
+        m0 = data.draw(st.sampled_from(list(self.lru)))
+        ready = sorted(m.hash for m in self.lru if m.tenant == m0.tenant)
+        more = data.draw(st.lists(st.sampled_from(ready), max_size=3, unique=True))
+        self._begin_restore(m0.tenant, [m0.hash, *(x for x in more if x != m0.hash)])
+
+    def _begin_restore(self, tenant: bytes, hashes: list[bytes]) -> None:
         ms = [self.live.get((tenant, x)) for x in hashes]
         before = snapshot(self.idx)
         if any(m is None or m.state is not State.READY for m in ms):

@@ -159,6 +159,18 @@ def _decode_health_status(data: bytes) -> int:
     return status
 
 
+def _trace_metadata() -> tuple[tuple[str, str], ...] | None:
+    """W3C trace context of the caller's current span, when the engine uses
+    OpenTelemetry (an optional import: the client does not depend on it)."""
+    try:
+        from opentelemetry import propagate  # noqa: PLC0415
+    except ImportError:
+        return None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items()) or None
+
+
 def _service_config(retries: int) -> str:
     return json.dumps(
         {
@@ -216,7 +228,7 @@ class KVSealClient:
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         fn = getattr(self._stub, method)
         try:
-            return fn(request, timeout=timeout or self.config.timeout_s)
+            return fn(request, timeout=timeout or self.config.timeout_s, metadata=_trace_metadata())
         except grpc.RpcError as e:
             raise KVSealRpcError.from_rpc(e) from None
 

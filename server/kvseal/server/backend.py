@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from kvseal.server import telemetry
 from kvseal.server.errors import BadRequest, HandleUnusable
 from kvseal.server.hostregion import Extent, HostRegion
 from kvseal.server.memcopy import Pinned, memmove
@@ -329,12 +330,14 @@ class CpuBackend:
             return failed
 
         try:
-            failed = self._parallel(len(blocks), work)
+            with telemetry.stage("copy_verify"):
+                failed = self._parallel(len(blocks), work)
             if not failed:
-                pin = Pinned(staging_buf)
-                for i, blk in enumerate(blocks):
-                    pool.scatter(blk.page, pin.address + offsets[i])
-                pin.release()
+                with telemetry.stage("scatter"):
+                    pin = Pinned(staging_buf)
+                    for i, blk in enumerate(blocks):
+                        pool.scatter(blk.page, pin.address + offsets[i])
+                    pin.release()
         finally:
             staging.release()
             self._staging.give(staging_buf)

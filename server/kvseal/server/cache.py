@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvseal.server import telemetry
 from kvseal.server.backend import Backend, BlockIO, Region
 from kvseal.server.config import IntegrityPolicy, ServerConfig
 from kvseal.server.errors import (
@@ -55,6 +56,7 @@ class RestoreResult:
 @dataclass
 class Counters:
     lookups: int = 0
+    lookup_blocks: int = 0
     lookup_hit_blocks: int = 0
     offloaded_blocks: int = 0
     offloaded_bytes: int = 0
@@ -212,9 +214,12 @@ class SealedCache:
         self._check_serving()
         self._check_tenant(tenant)
         self._check_hashes(hashes)
-        with self.pools.use(pool_id) as pool:
+        with self.pools.use(pool_id) as pool, telemetry.stage("lookup"):
             hit, states = self.index.lookup(pool.namespace, tenant, hashes)
-        self._count(lookups=1, lookup_hit_blocks=hit)
+        self._count(lookups=1, lookup_blocks=len(hashes), lookup_hit_blocks=hit)
+        telemetry.annotate(
+            pool=pool_id, tenant=telemetry.tenant_label(tenant), blocks=len(hashes), hits=hit
+        )
         return hit, states
 
     def touch(self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]) -> int:
@@ -243,7 +248,9 @@ class SealedCache:
         with self.pools.use(pool_id) as pool:
             self._check_pages(pool, hashes, pages)
             ns, size = pool.namespace, pool.block_bytes
-            plan = self.index.begin_store(ns, tenant, parent_hash, hashes, size)
+            with telemetry.stage("reserve"):
+                plan = self.index.begin_store(ns, tenant, parent_hash, hashes, size)
+                telemetry.annotate(evicted_blocks=len(plan.evicted), new_blocks=len(plan.new))
             self._publish_removed(plan.evicted, Removal.EVICTED)
             blocks = [
                 BlockIO(
@@ -256,16 +263,26 @@ class SealedCache:
             ]
             t0 = time.perf_counter()
             try:
-                records = (
-                    self.backend.seal_blocks(pool.mapped, blocks, self.region, wait_event)
-                    if blocks
-                    else []
-                )
+                with telemetry.stage("seal", blocks=len(blocks), bytes=len(blocks) * size):
+                    records = (
+                        self.backend.seal_blocks(pool.mapped, blocks, self.region, wait_event)
+                        if blocks
+                        else []
+                    )
             except BaseException:
                 self.index.complete_store(plan.new, [None] * len(plan.new))
                 raise
-            self.index.complete_store(plan.new, records)
+            with telemetry.stage("commit"):
+                self.index.complete_store(plan.new, records)
             elapsed = time.perf_counter() - t0
+        telemetry.annotate(
+            pool=pool_id,
+            tenant=telemetry.tenant_label(tenant),
+            blocks=len(hashes),
+            stored_blocks=len(blocks),
+            bytes=len(blocks) * size,
+            evicted_blocks=len(plan.evicted),
+        )
         stored = [e.block_hash for e in plan.new if not e.removed]
         self.events.publish(EventKind.STORED, "", ns, tenant, stored)
         nbytes = len(blocks) * size
@@ -292,7 +309,14 @@ class SealedCache:
         with self.pools.use(pool_id) as pool:
             self._check_pages(pool, hashes, pages)
             ns = pool.namespace
-            entries = self.index.begin_restore(ns, tenant, hashes)
+            telemetry.annotate(
+                pool=pool_id,
+                tenant=telemetry.tenant_label(tenant),
+                blocks=len(hashes),
+                release=release,
+            )
+            with telemetry.stage("pin"):
+                entries = self.index.begin_restore(ns, tenant, hashes)
             failed_idx: list[int] = []
             try:
                 records = []
@@ -304,9 +328,10 @@ class SealedCache:
                     for e, p in zip(entries, pages, strict=True)
                 ]
                 t0 = time.perf_counter()
-                failed_idx = self.backend.open_blocks(
-                    pool.mapped, blocks, records, self.region, wait_event
-                )
+                with telemetry.stage("open", blocks=len(blocks)):
+                    failed_idx = self.backend.open_blocks(
+                        pool.mapped, blocks, records, self.region, wait_event
+                    )
                 elapsed = time.perf_counter() - t0
             except BaseException:
                 self.index.complete_restore(entries, release=False)
@@ -325,6 +350,7 @@ class SealedCache:
             self._publish_removed(bad, Removal.INTEGRITY)
             self._integrity_failure(pool, failed, abort=False)
         nbytes = sum(e.size for e in entries)
+        telemetry.annotate(restored_blocks=len(entries), bytes=nbytes)
         self._count(restored_blocks=len(entries), restored_bytes=nbytes)
         if self.observer.on_transfer:
             self.observer.on_transfer("restore", len(entries), nbytes, elapsed)
@@ -332,6 +358,12 @@ class SealedCache:
 
     def _integrity_failure(self, pool: Pool, failed: list[Entry], *, abort: bool) -> None:
         self._count(integrity_failures=len(failed))
+        telemetry.event(
+            "kvseal.integrity_failure",
+            pool=pool.pool_id,
+            blocks=len(failed),
+            policy="abort" if abort else "drop",
+        )
         if self.observer.on_integrity_failure:
             self.observer.on_integrity_failure(pool.pool_id, len(failed))
         which = ", ".join(e.block_hash.hex()[:16] for e in failed[:8])

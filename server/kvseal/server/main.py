@@ -26,16 +26,16 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvseal.server import sealing
+from kvseal.server import sealing, telemetry
 from kvseal.server.backend import Backend, CpuBackend
-from kvseal.server.cache import SealedCache
+from kvseal.server.cache import Observer, SealedCache
 from kvseal.server.config import (
     EXIT_INTEGRITY,
     IntegrityPolicy,
@@ -272,7 +272,9 @@ class Daemon:
     instance: str
     private_dir: str | None
     stop_event: threading.Event
+    metrics: telemetry.Metrics | None = None
     exit_code: int = 0
+    _stop_metrics: Callable[[], None] | None = None
 
     @classmethod
     def create(cls, cfg: ServerConfig) -> Daemon:
@@ -292,7 +294,11 @@ class Daemon:
             if holder:
                 holder[0].begin_shutdown(EXIT_INTEGRITY)
 
+        telemetry.setup_tracing()
         cache = SealedCache(cfg, backend, region, sealer, on_integrity_abort=on_abort)
+        metrics = telemetry.Metrics(cache) if cfg.metrics_address else None
+        if metrics is not None:
+            cache.observer = Observer(on_transfer=metrics.on_transfer)
         server = grpc.server(
             futures.ThreadPoolExecutor(cfg.grpc_threads, thread_name_prefix="kvseal-rpc"),
             options=[
@@ -302,7 +308,7 @@ class Daemon:
             maximum_concurrent_rpcs=cfg.grpc_threads * 4,
         )
         pb_grpc.add_KVSealServicer_to_server(  # type: ignore[no-untyped-call]
-            KVSealServicer(cache, instance), server
+            KVSealServicer(cache, instance, on_done=metrics.on_request if metrics else None), server
         )
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -334,12 +340,17 @@ class Daemon:
             address = cfg.listen[len("tcp://") :]
             if server.add_secure_port(address, creds) == 0:
                 raise SystemExit(f"kvseal-server: cannot listen on {address}")
-        daemon = cls(cfg, cache, server, health_servicer, gate, instance, private_dir, stop_event)
+        daemon = cls(
+            cfg, cache, server, health_servicer, gate, instance, private_dir, stop_event, metrics
+        )
         holder.append(daemon)
         return daemon
 
     def start(self) -> None:
         self.server.start()
+        if self.metrics is not None and self.cfg.metrics_address:
+            self._stop_metrics = self.metrics.serve(self.cfg.metrics_address)
+            log.info("metrics on http://%s/metrics", self.cfg.metrics_address)
         if self.gate is not None:
             self.gate.start()
         for name in ("", SERVICE_NAME):
@@ -371,6 +382,9 @@ class Daemon:
         if self.gate is not None:
             self.gate.stop()
         self.cache.close()
+        if self._stop_metrics is not None:
+            self._stop_metrics()
+        telemetry.shutdown_tracing()
         if self.private_dir is not None:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.private_dir, "grpc.sock"))

@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
-from kvseal.server import convert
+from kvseal.server import convert, telemetry
 from kvseal.server.cache import SealedCache
 from kvseal.server.errors import ERROR_METADATA_KEY, EventsOverflow, KVSealError, ShuttingDown
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
+from opentelemetry import trace
 
 log = logging.getLogger("kvseal.service")
 R = TypeVar("R")
@@ -38,9 +39,17 @@ def handler(fn: Callable[..., R]) -> Callable[..., R]:
     def wrapper(self: KVSealServicer, request: Any, context: grpc.ServicerContext) -> R:
         code = grpc.StatusCode.OK
         try:
-            return fn(self, request, context)
+            with telemetry.rpc_span(fn.__name__, context.invocation_metadata()) as span:
+                try:
+                    return fn(self, request, context)
+                except KVSealError as e:
+                    code = e.code
+                    if span is not None:
+                        span.set_attribute("rpc.grpc.status_code", e.code.value[0])
+                        span.set_attribute("kvseal.error", e.reason)
+                        span.set_status(trace.StatusCode.ERROR, e.reason)
+                    raise
         except KVSealError as e:
-            code = e.code
             return _abort(context, e)  # type: ignore[no-any-return]
         except Exception:
             code = grpc.StatusCode.INTERNAL

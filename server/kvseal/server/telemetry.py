@@ -1,0 +1,246 @@
+"""Traces (OpenTelemetry) and metrics (Prometheus) for the daemon.
+
+Tracing is off unless the standard OTel environment asks for it
+(``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or
+``OTEL_TRACES_EXPORTER=otlp``); the SDK then reads the rest of the standard
+variables itself (service name, resource attributes, sampler, batch delays).
+Every RPC gets a SERVER span whose parent comes from the W3C ``traceparent``
+the client sent in gRPC metadata, so an engine's trace contains the
+sidecar's work; each stage of the data path is a child span (``stage``).
+
+Redaction rules, for spans, metrics and logs alike: never key material,
+plaintext, or raw cache salts. The tenant appears only as a short digest of
+the tenant namespace (itself already a digest of the salt); block hashes
+only as counts.
+
+Metrics are read from the cache's own counters at scrape time (one source
+of truth), except the request and latency families, which are recorded as
+they happen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+
+if TYPE_CHECKING:
+    from kvseal.server.cache import SealedCache
+
+log = logging.getLogger("kvseal.telemetry")
+_tracer: trace.Tracer | None = None
+_provider: Any = None
+
+
+def tracing_requested(env: Mapping[str, str] = os.environ) -> bool:
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter == "none":
+        return False
+    return bool(
+        exporter == "otlp"
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def setup_tracing() -> bool:
+    """Install an OTLP/gRPC exporting tracer if the environment asks for one."""
+    global _tracer, _provider  # noqa: PLW0603 - one process-wide tracer, set once at start-up
+    if not tracing_requested():
+        return False
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
+    from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
+    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "kvseal")})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    _provider = provider
+    _tracer = provider.get_tracer("kvseal.server")
+    log.info("tracing: exporting OTLP/gRPC spans")
+    return True
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop the exporter (at daemon shutdown)."""
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def tenant_label(tenant: bytes) -> str:
+    """A short, non-reversible label for a tenant namespace."""
+    return hashlib.sha256(b"kvseal/tenant-label\x00" + tenant).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def rpc_span(
+    method: str, metadata: Iterable[tuple[str, Any]] | None
+) -> Iterator[trace.Span | None]:
+    """A SERVER span for one RPC, parented by the caller's traceparent."""
+    if _tracer is None:
+        yield None
+        return
+    carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    parent = propagate.extract(carrier)
+    token = otel_context.attach(parent)
+    try:
+        with _tracer.start_as_current_span(
+            f"kvseal.v1.KVSeal/{method}",
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": "kvseal.v1.KVSeal",
+                "rpc.method": method,
+            },
+        ) as span:
+            yield span
+    finally:
+        otel_context.detach(token)
+
+
+@contextlib.contextmanager
+def stage(name: str, **attributes: Any) -> Iterator[None]:
+    """A child span of the current RPC for one stage (no-op without tracing)."""
+    if _tracer is None:
+        yield
+        return
+    with _tracer.start_as_current_span(f"kvseal.{name}", attributes=_clean(attributes)):
+        yield
+
+
+def annotate(**attributes: Any) -> None:
+    """Set attributes on the current span (no-op without tracing)."""
+    if _tracer is not None:
+        trace.get_current_span().set_attributes(_clean(attributes))
+
+
+def event(name: str, **attributes: Any) -> None:
+    if _tracer is not None:
+        trace.get_current_span().add_event(name, _clean(attributes))
+
+
+def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in attributes.items():
+        if isinstance(v, (bytes, bytearray, memoryview)):  # never ship raw bytes
+            raise TypeError(f"span attribute {k!r} is raw bytes; pass a digest or a count")
+        if v is not None:
+            out[f"kvseal.{k}" if "." not in k else k] = v
+    return out
+
+
+# ------------------------------------------------------------------ metrics
+
+
+class Metrics:
+    """Prometheus families for one daemon, in their own registry."""
+
+    def __init__(self, cache: SealedCache) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram  # noqa: PLC0415
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvseal_requests", "RPCs handled, by method and gRPC status code",
+            ["method", "code"], registry=self.registry,
+        )  # fmt: skip
+        self.transfer = Histogram(
+            "kvseal_transfer_duration_seconds",
+            "Time to move a batch between the engine pool and the sealed host tier",
+            ["direction"],
+            buckets=(
+                0.0005,
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1,
+                2.5,
+                5,
+                10,
+            ),
+            registry=self.registry,
+        )
+        self.registry.register(_CacheCollector(cache))
+
+    def on_request(self, method: str, code: Any) -> None:
+        self.requests.labels(method, code.name).inc()
+
+    def on_transfer(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
+        self.transfer.labels(direction).observe(seconds)
+
+    def serve(self, address: str) -> Callable[[], None]:
+        """Serve /metrics on HOST:PORT; returns a function that stops it."""
+        from prometheus_client import start_http_server  # noqa: PLC0415
+
+        host, _, port = address.rpartition(":")
+        # Binding to all interfaces is the operator's explicit choice
+        # (--metrics-address :9464 in a pod); metrics are off by default.
+        bind = host or "0.0.0.0"  # noqa: S104
+        server, thread = start_http_server(int(port), addr=bind, registry=self.registry)
+
+        def stop() -> None:
+            server.shutdown()
+            thread.join(5)
+
+        return stop
+
+
+class _CacheCollector:
+    """Reads the cache's counters and gauges at scrape time."""
+
+    def __init__(self, cache: SealedCache) -> None:
+        self.cache = cache
+
+    def describe(self) -> list[Any]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+
+        c = self.cache.counters
+        counters = (
+            ("kvseal_lookups", "Lookup RPCs served", c.lookups),
+            ("kvseal_lookup_blocks", "Block hashes asked for in lookups", c.lookup_blocks),
+            ("kvseal_lookup_hit_blocks", "Blocks in the cached prefix found by lookups",
+             c.lookup_hit_blocks),
+            ("kvseal_offloaded_blocks", "Blocks sealed into the host tier", c.offloaded_blocks),
+            ("kvseal_offloaded_bytes", "Plaintext bytes sealed into the host tier",
+             c.offloaded_bytes),
+            ("kvseal_restored_blocks", "Blocks verified and restored into engine pools",
+             c.restored_blocks),
+            ("kvseal_restored_bytes", "Bytes verified and restored into engine pools",
+             c.restored_bytes),
+            ("kvseal_evicted_blocks", "Blocks evicted to make room (LRU, leaves first)",
+             c.evicted_blocks),
+            ("kvseal_dropped_blocks", "Blocks dropped on request (with descendants)",
+             c.dropped_blocks),
+            ("kvseal_integrity_failures", "Blocks that failed authentication: the host "
+             "altered, swapped, replayed or removed ciphertext", c.integrity_failures),
+        )  # fmt: skip
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        ix = self.cache.index.stats()
+        gauges = (
+            (
+                "kvseal_host_bytes_used",
+                "Bytes of the host tier holding sealed blocks",
+                ix.used_bytes,
+            ),
+            ("kvseal_host_bytes_capacity", "Capacity of the host tier in bytes", ix.capacity_bytes),
+            ("kvseal_host_blocks", "Sealed blocks ready in the host tier", ix.ready),
+            ("kvseal_registered_pools", "Engine KV pools registered", len(self.cache.pools)),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
