@@ -84,6 +84,7 @@ def start_daemon(
     host_bytes: str = "256MiB",
     socket_name: str = "kvseal.sock",
     wait: bool = True,
+    env: dict[str, str] | None = None,
 ) -> DaemonProc:
     workdir.mkdir(parents=True, exist_ok=True)
     sock = str(workdir / "run" / socket_name)
@@ -106,7 +107,13 @@ def start_daemon(
     args += list(extra)
     log_path = workdir / "daemon.log"
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            args,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
     d = DaemonProc(proc, sock, workdir, region_path, log_path, args)
     if wait:
         try:

@@ -49,6 +49,10 @@ def handler(fn: Callable[..., R]) -> Callable[..., R]:
                         span.set_attribute("kvseal.error", e.reason)
                         span.set_status(trace.StatusCode.ERROR, e.reason)
                     raise
+                except Exception:
+                    if span is not None:
+                        span.set_status(trace.StatusCode.ERROR, "INTERNAL")
+                    raise
         except KVSealError as e:
             return _abort(context, e)  # type: ignore[no-any-return]
         except Exception:

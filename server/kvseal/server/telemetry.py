@@ -99,6 +99,10 @@ def rpc_span(
                 "rpc.service": "kvseal.v1.KVSeal",
                 "rpc.method": method,
             },
+            # Exception messages are written for operators' logs, not for a
+            # trace backend; the handler sets the status and reason itself.
+            record_exception=False,
+            set_status_on_exception=False,
         ) as span:
             yield span
     finally:
@@ -111,7 +115,9 @@ def stage(name: str, **attributes: Any) -> Iterator[None]:
     if _tracer is None:
         yield
         return
-    with _tracer.start_as_current_span(f"kvseal.{name}", attributes=_clean(attributes)):
+    with _tracer.start_as_current_span(
+        f"kvseal.{name}", attributes=_clean(attributes), record_exception=False
+    ):
         yield
 
 
