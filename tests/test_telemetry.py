@@ -18,15 +18,14 @@ from typing import Any
 
 import grpc
 import pytest
+from kvseal.client import KVSealRpcError, chain_block_hashes, tenant_digest
+from kvseal.client.shm import SharedKVPool
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-
-from kvseal.client import KVSealRpcError, chain_block_hashes, tenant_digest
-from kvseal.client.shm import SharedKVPool
 
 from .conftest import DaemonProc, fill_random, start_daemon
 from .test_tamper import HostView
