@@ -931,7 +931,7 @@ def test_grafana_dashboard() -> None:
         "kvseal_offloaded_bytes_total",
         "kvseal_restored_bytes_total",
         "kvseal_lookup_hit_blocks_total",
-        "kvseal_lookups_total",
+        "kvseal_lookup_blocks_total",
         "kvseal_transfer_duration_seconds",
         "kvseal_host_bytes_used",
         "kvseal_host_bytes_capacity",
