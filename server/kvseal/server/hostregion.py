@@ -166,6 +166,10 @@ class HostRegion:
         if not 0 <= offset <= self.capacity - len(view):
             raise RegionError(f"write of {len(view)} bytes at {offset} is outside the region")
         if self._pin is not None:
+            if view.readonly:  # no address to take without a copy; rare (not the data path)
+                assert self._map is not None
+                self._map[offset : offset + len(view)] = view
+                return
             src = Pinned(view)
             memmove(self._pin.address + offset, src.address, len(view))
             src.release()
