@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvseal.server.hostregion import (
     SLOT_ALIGN,
     Extent,
@@ -203,7 +202,7 @@ def test_random_allocate_free(capacity_slots: int, ops: list[tuple[bool, int, in
                 assert largest < align_up(size)  # refused only when no run fits
                 continue
             assert ext.size == align_up(size) and ext.offset % A == 0
-            assert 0 <= ext.offset and ext.offset + ext.size <= alloc.capacity
+            assert ext.offset >= 0 and ext.offset + ext.size <= alloc.capacity
             live.append(ext)
         else:
             alloc.free(live.pop(pick % len(live)))
@@ -215,9 +214,9 @@ def test_random_allocate_free(capacity_slots: int, ops: list[tuple[bool, int, in
             (o, s, "free") for o, s in free_list(alloc)
         ])  # fmt: skip
         pos = 0
-        for (off, size, kind), nxt in zip(spans, [*spans[1:], None], strict=True):
+        for (off, span, kind), nxt in zip(spans, [*spans[1:], None], strict=True):
             assert off == pos, "gap or overlap"
-            pos = off + size
+            pos = off + span
             if nxt is not None and kind == "free":
                 assert nxt[2] == "used", "adjacent free runs were not coalesced"
         assert pos == alloc.capacity
@@ -239,13 +238,13 @@ def region(request: pytest.FixtureRequest, tmp_path: Path) -> HostRegion:
 
 def test_write_read_round_trip(region: HostRegion) -> None:
     data = os.urandom(5000)
-    region.write(1000, memoryview(data))
+    region.write(1000, memoryview(bytearray(data)))
     out = bytearray(5000)
     assert region.read_into(1000, memoryview(out)) == 5000
     assert bytes(out) == data
     # Edges: the first and last bytes of the region.
-    region.write(0, memoryview(b"\x01\x02"))
-    region.write(region.capacity - 3, memoryview(b"xyz"))
+    region.write(0, memoryview(bytearray(b"\x01\x02")))
+    region.write(region.capacity - 3, memoryview(bytearray(b"xyz")))
     out3 = bytearray(3)
     assert region.read_into(region.capacity - 3, memoryview(out3)) == 3
     assert bytes(out3) == b"xyz"
@@ -276,14 +275,14 @@ def test_write_of_non_byte_format_view(region: HostRegion) -> None:
 )
 def test_out_of_range_write_raises(region: HostRegion, offset: int, size: int) -> None:
     with pytest.raises(RegionError):
-        region.write(offset, memoryview(bytes(size)))
+        region.write(offset, memoryview(bytearray(size)))
     out = bytearray(16)
     region.read_into(0, memoryview(out))
     assert bytes(out) == bytes(16)  # nothing was written anywhere visible
 
 
 def test_read_past_end_is_short(region: HostRegion) -> None:
-    region.write(region.capacity - 4, memoryview(b"tail"))
+    region.write(region.capacity - 4, memoryview(bytearray(b"tail")))
     out = bytearray(10)
     assert region.read_into(region.capacity - 4, memoryview(out)) == 4
     assert bytes(out[:4]) == b"tail"
@@ -344,7 +343,7 @@ def test_truncated_file_gives_short_read_not_crash(tmp_path: Path) -> None:
     r = HostRegion(64 * 1024, str(path))
     try:
         data = os.urandom(8192)
-        r.write(16 * 1024, memoryview(data))
+        r.write(16 * 1024, memoryview(bytearray(data)))
         os.truncate(path, 20 * 1024)  # "the host" shrinks the file under us
         out = bytearray(8192)
         got = r.read_into(16 * 1024, memoryview(out))
@@ -354,7 +353,7 @@ def test_truncated_file_gives_short_read_not_crash(tmp_path: Path) -> None:
         os.truncate(path, 0)
         assert r.read_into(0, memoryview(bytearray(100))) == 0
         # Writing again still works (the file grows back as needed).
-        r.write(0, memoryview(b"again"))
+        r.write(0, memoryview(bytearray(b"again")))
         out5 = bytearray(5)
         assert r.read_into(0, memoryview(out5)) == 5 and bytes(out5) == b"again"
     finally:
@@ -380,7 +379,7 @@ def test_memfd_cannot_be_shrunk_or_grown() -> None:
                 os.ftruncate(fd2, 0)
         finally:
             os.close(fd2)
-        r.write(60 * 1024, memoryview(b"still here"))
+        r.write(60 * 1024, memoryview(bytearray(b"still here")))
         out = bytearray(10)
         assert r.read_into(60 * 1024, memoryview(out)) == 10 and bytes(out) == b"still here"
     finally:
@@ -403,7 +402,7 @@ def test_concurrent_writers_to_disjoint_extents(region: HostRegion) -> None:
 
     def write(off: int) -> None:
         for _ in range(20):
-            region.write(off, memoryview(chunks[off]))
+            region.write(off, memoryview(bytearray(chunks[off])))
 
     ts = [threading.Thread(target=write, args=(off,)) for off in chunks]
     for t in ts:
@@ -414,3 +413,62 @@ def test_concurrent_writers_to_disjoint_extents(region: HostRegion) -> None:
         out = bytearray(4096)
         region.read_into(off, memoryview(out))
         assert bytes(out) == data
+
+
+# ---------------------------------------------------------------- read-only sources
+
+
+def test_memfd_write_accepts_read_only_source() -> None:
+    # Regression: the memfd path used to pin its source with ctypes
+    # from_buffer, which raised TypeError for read-only views.
+    r = HostRegion(4096)
+    try:
+        r.write(0, memoryview(b"ciphertext"))
+        out = bytearray(10)
+        r.read_into(0, memoryview(out))
+        assert bytes(out) == b"ciphertext"
+    finally:
+        r.close()
+
+
+def test_file_write_accepts_read_only_source(tmp_path: Path) -> None:
+    r = HostRegion(4096, str(tmp_path / "r.bin"))
+    try:
+        r.write(0, memoryview(b"ciphertext"))
+        out = bytearray(10)
+        r.read_into(0, memoryview(out))
+        assert bytes(out) == b"ciphertext"
+    finally:
+        r.close()
+
+
+# ---------------------------------------------------------------- regressions
+
+_NEGATIVE_READ = """
+import sys
+from kvseal.server.hostregion import HostRegion, RegionError
+r = HostRegion(64 * 1024, sys.argv[1] if len(sys.argv) > 1 else None)
+try:
+    n = r.read_into(-4096, memoryview(bytearray(100)))
+except (RegionError, OSError):
+    sys.exit(0)
+sys.exit(0 if n == 0 else 2)
+"""
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "memfd",  # used to memmove from before the mapping (SIGSEGV)
+        "file",
+    ],
+)
+def test_negative_offset_read_is_refused(kind: str, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-c", _NEGATIVE_READ]
+    if kind == "file":
+        args.append(str(tmp_path / "r.bin"))
+    proc = subprocess.run(args, capture_output=True, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])

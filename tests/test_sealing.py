@@ -210,7 +210,7 @@ def test_round_trip(size: int) -> None:
     assert len(sealed) == size + TAG_BYTES
     assert rec.tag == bytes(sealed[size:])
     assert rec.epoch == 0 and len(rec.nonce) == 12 and len(rec.tag) == 16
-    if size:
+    if size >= 16:  # (a 1-byte ciphertext equals its plaintext 1 time in 256)
         assert bytes(sealed[:size]) != pt
     assert open_(sealer, rec, ad(), bytes(sealed)) == pt
 
@@ -356,9 +356,12 @@ def test_truncated_or_extended_ciphertext_is_misuse_not_success(
 ) -> None:
     sealer, _, rec, sealed = sealed_block
     n = len(sealed) - TAG_BYTES
-    # Same sizes but a ciphertext with one byte less + a zero byte: auth fails.
+    # Shifted by one byte (same total size): auth fails.
     with pytest.raises(AuthenticationFailed):
-        open_(sealer, rec, ad(), sealed[: n - 1] + b"\x00" + sealed[n:])
+        open_(sealer, rec, ad(), sealed[1:n] + bytes([sealed[0] ^ 0xFF]) + sealed[n:])
+    # Last ciphertext byte replaced by something else (never the same value).
+    with pytest.raises(AuthenticationFailed):
+        open_(sealer, rec, ad(), sealed[: n - 1] + bytes([sealed[n - 1] ^ 0x5A]) + sealed[n:])
     out = bytearray(n)
     with pytest.raises(SealingError):
         sealer.open_into(rec, ad(), memoryview(bytearray(sealed[:-1])), memoryview(out))
@@ -480,8 +483,8 @@ def test_rekey_after_three_seals() -> None:
     for i in range(4):
         pt = os.urandom(100)
         block_ad = ad(block_hash=bytes([i]) * 32, generation=i)
-        rec, sealed = seal(sealer, pt, block_ad)
-        blocks.append((pt, block_ad, rec, bytes(sealed)))
+        rec, out = seal(sealer, pt, block_ad)
+        blocks.append((pt, block_ad, rec, bytes(out)))
     assert [b[2].epoch for b in blocks] == [0, 0, 0, 1]
     assert sealer.current_epoch == 1
     assert sealer.seals_under_current_key == 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +148,14 @@ class SharedKVPool:
         except BaseException:
             self.close()
             raise
+        # Unlink the objects even if the owner never calls close (exit, GC):
+        # shared memory outlives processes and would otherwise leak.
+        self._finalizer = weakref.finalize(self, SharedKVPool._unlink_all, list(self.buffers))
+
+    @staticmethod
+    def _unlink_all(buffers: list[_ShmBuffer]) -> None:
+        for b in buffers:
+            b.close()
 
     def geometry(self) -> pb.PoolGeometry:
         s = self.shape
@@ -222,6 +231,8 @@ class SharedKVPool:
         for b in self.buffers:
             b.close()
         self.buffers.clear()
+        if hasattr(self, "_finalizer"):
+            self._finalizer.detach()
 
     def __enter__(self) -> SharedKVPool:
         return self

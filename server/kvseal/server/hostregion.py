@@ -187,6 +187,8 @@ class HostRegion:
         Returns the number of bytes read, which is short if the host shrank
         the backing file; the caller must then treat the slot as tampered.
         """
+        if offset < 0:
+            raise RegionError(f"read at negative offset {offset}")
         if self._pin is not None:
             n = max(0, min(len(out), self.capacity - offset))
             dst = Pinned(out)

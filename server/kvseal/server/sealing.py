@@ -236,8 +236,8 @@ class BlockSealer:
             epoch = self._epochs.get(epoch_index)
             if epoch is None:
                 return
-            epoch.live -= 1
-            if epoch.live <= 0 and epoch is not self._current:
+            epoch.live = max(0, epoch.live - 1)
+            if epoch.live == 0 and epoch is not self._current:
                 del self._epochs[epoch_index]
 
 

@@ -1,0 +1,45 @@
+"""Smoke test of the CPU benchmark (``make bench``): it starts a real daemon,
+moves real Qwen3-32B-sized blocks, and prints its table. Only that it runs
+and reports is asserted, never a speed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "bench_cpu.py"
+
+
+def test_bench_cpu_quick_runs_and_prints_the_table() -> None:
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+    lines = out.splitlines()
+    assert "## kvseal CPU backend benchmark" in lines
+    title = lines.index("## kvseal CPU backend benchmark")
+    # The header says where it ran (CPU model and core count), no hostname.
+    assert any(re.match(r"^CPU: .+, \d+ cores", line) for line in lines[title:])
+    assert os.uname().nodename not in out
+    # Both tables, with a row per batch and both sockets.
+    assert any(line.startswith("| batch | bytes | sealed offload GB/s") for line in lines)
+    assert sum(1 for line in lines if re.match(r"^\| \d+ blocks \| \d+ MiB \|", line)) == 2
+    assert any(line.startswith("| public socket") for line in lines)
+    assert any(line.startswith("| internal gRPC socket") for line in lines)
+    # The table comes last.
+    assert lines[-1].startswith("| gate cost |")
+    # The daemon was stopped and the pool's shared memory was unlinked.
+    assert not re.search(r"daemon exited with -?\d+", proc.stderr)
+    if os.path.isdir("/dev/shm"):
+        leaked = {n for n in os.listdir("/dev/shm") if n.startswith("kvseal-bench")} - shm_before
+        assert not leaked
