@@ -22,3 +22,34 @@ kernels-nvcc:
 ## Install the optional NVRTC compile-only dependencies into .venv.
 kernels-nvrtc-deps: venv
 	$(PY) -m pip install --quiet $(KERNELS_NVRTC_PKGS)
+
+# ---------------------------------------------------------------------------------
+# GPU runs (need an NVIDIA GPU): benchmark and the one-shot device check.
+
+# Everything the device check needs beyond the device image's torch, cuda-python,
+# grpcio and protobuf (pip download also fetches their dependencies).
+DEVICE_WHEELS := cryptography==50.0.2 cryptography-vectors==50.0.2 \
+    grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+    opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 prometheus-client==0.26.0 \
+    pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
+# The device image's python version is unknown: fetch wheels for each candidate
+# (device_check.sh prints `python3 --version` first; trim the list once known).
+DEVICE_PYS ?= 3.10 3.11 3.12 3.13
+
+.PHONY: device-wheels
+
+## GPU benchmark: kernels, sealed vs plaintext DMA, classic CC path, restore latency.
+bench-gpu: venv
+	$(PY) bench/bench_gpu.py $(ARGS)
+
+## One script for a GPU machine without network (system python3; see scripts/device_check.sh).
+device-check:
+	bash scripts/device_check.sh
+
+## Download the wheels device-check installs offline (run where there is network).
+device-wheels: venv
+	mkdir -p wheels
+	for v in $(DEVICE_PYS); do \
+	    $(PY) -m pip download --quiet --only-binary=:all: --python-version $$v \
+	        -d wheels $(DEVICE_WHEELS) || exit 1; \
+	done

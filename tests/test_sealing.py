@@ -621,9 +621,52 @@ def test_reprs_contain_no_key_material() -> None:
     assert "epoch" in repr(sealer)
 
 
-def test_epoch_has_no_key_attribute() -> None:
+def test_epoch_keeps_key_only_in_a_wipeable_buffer() -> None:
     sealer = BlockSealer()
     epoch = sealer._epochs[0]
-    assert set(type(epoch).__slots__) == {"aead", "counter", "index", "live", "prefix"}
+    assert set(type(epoch).__slots__) == {
+        "_key",
+        "_locked",
+        "aead",
+        "counter",
+        "index",
+        "live",
+        "prefix",
+    }
+    assert isinstance(epoch._key, ctypes.Array)  # never an immutable bytes
     assert not hasattr(sealer, "key") and not hasattr(sealer, "_key")
     assert not hasattr(epoch, "__dict__")
+    assert bytes(epoch._key) != bytes(32)
+    epoch.destroy()
+    assert bytes(epoch._key) == bytes(32)
+
+
+def test_device_key_api_matches_host_sealing() -> None:
+    """What the CUDA backend gets (nonces, exported key) seals exactly like
+    the host path, and retired epochs wipe their key."""
+    sealer = BlockSealer(rekey_after=4)
+    epoch, nonces = sealer.allocate_for_device(3)
+    assert epoch == 0 and len(set(nonces)) == 3
+    key = (ctypes.c_char * 32)()
+    sealer.export_key_to(epoch, key)
+    ad = BlockAD(bytes(32), bytes(32), bytes(32), 7)
+    sealed = AESGCM(bytes(key)).encrypt(nonces[0], b"block bytes", ad.encode())
+    ctypes.memset(key, 0, 32)
+    out = bytearray(11)
+    sealer.open_into(
+        SealRecord(epoch, nonces[0], sealed[-16:]), ad, memoryview(sealed), memoryview(out)
+    )
+    assert bytes(out) == b"block bytes"
+    # Two more would exceed rekey_after=4 under epoch 0: they come from epoch 1.
+    epoch1, more = sealer.allocate_for_device(2)
+    assert epoch1 == 1 and not set(more) & set(nonces)
+    assert sealer.live_epoch_ids() == {0, 1}
+    old = sealer._epochs[0]
+    for _ in range(3):
+        sealer.forget(0)
+    assert sealer.live_epoch_ids() == {1}
+    assert bytes(old._key) == bytes(32)
+    with pytest.raises(SealingError):
+        sealer.export_key_to(0, key)
+    with pytest.raises(SealingError):
+        sealer.allocate_for_device(5)

@@ -287,7 +287,11 @@ class KVSealClient:
         page_ids: Sequence[int],
         parent_hash: bytes | None = None,
         timeout: float | None = None,
+        cuda_event_ipc_handle: bytes = b"",
     ) -> OffloadResult:
+        """Seal and store pages. ``cuda_event_ipc_handle`` (CUDA backend): an
+        interprocess event recorded after the engine wrote the pages; without
+        it the engine must have synchronised its stream first."""
         r = self._call(
             "Offload",
             pb.OffloadRequest(
@@ -296,6 +300,7 @@ class KVSealClient:
                 parent_hash=parent_hash or b"",
                 block_hashes=block_hashes,
                 page_ids=page_ids,
+                cuda_event_ipc_handle=cuda_event_ipc_handle,
             ),
             timeout or self.config.transfer_timeout_s,
         )
@@ -309,7 +314,12 @@ class KVSealClient:
         page_ids: Sequence[int],
         release: bool = False,
         timeout: float | None = None,
+        cuda_event_ipc_handle: bytes = b"",
     ) -> RestoreResult:
+        """Verify and write blocks into pages; returns once the bytes are in
+        place. All-or-nothing: on any error no page was written.
+        ``cuda_event_ipc_handle``: an interprocess event recorded after the
+        engine's last use of the destination pages."""
         r = self._call(
             "Restore",
             pb.RestoreRequest(
@@ -318,6 +328,7 @@ class KVSealClient:
                 block_hashes=block_hashes,
                 page_ids=page_ids,
                 release=release,
+                cuda_event_ipc_handle=cuda_event_ipc_handle,
             ),
             timeout or self.config.transfer_timeout_s,
         )

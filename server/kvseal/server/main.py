@@ -238,8 +238,24 @@ def sd_notify(state: str) -> None:
 
 
 def make_backend(cfg: ServerConfig, sealer: sealing.BlockSealer) -> Backend:
+    """``cuda``: the GPU backend or exit with one clear line (no traceback);
+    ``auto``: the GPU backend when usable, else CPU with a log line saying why."""
     if cfg.backend in ("cuda", "auto"):
-        reason = "the CUDA backend is not part of this build yet"
+        # Imported here so that CPU-only installs never load cuda-python.
+        from kvseal.server.cuda import probe  # noqa: PLC0415
+
+        ok, reason = probe.cuda_available(cfg.device)
+        if ok:
+            from kvseal.server.cuda.backend import (  # noqa: PLC0415
+                BackendUnavailable,
+                CudaBackend,
+                CudaError,
+            )
+
+            try:
+                return CudaBackend(sealer, cfg.device)
+            except (BackendUnavailable, CudaError) as e:
+                reason = str(e)
         if cfg.backend == "cuda":
             raise SystemExit(f"kvseal-server: --backend cuda: {reason}")
         log.info("backend auto: using cpu (%s)", reason)

@@ -6,9 +6,11 @@ key, and never choose a nonce: :meth:`BlockSealer.seal_into` allocates one.
 Format v1 (shared byte-for-byte with the GPU kernels, see docs/gpu-kernels.md):
 
 - key: 32 random bytes per *key epoch*, from the OS CSPRNG (``getrandom``)
-  written straight into a ctypes buffer (never an immutable ``bytes``) that
-  is wiped as soon as the cipher object has copied it; it is never logged,
-  returned, or written anywhere. A daemon restart therefore means a new key and an empty cache.
+  written straight into an ``mlock``ed ctypes buffer (never an immutable
+  ``bytes``) that is wiped when the epoch ends; it is never logged,
+  returned, or written anywhere outside the process, except to the GPU by
+  the CUDA backend (``export_key_to``). A daemon restart therefore means a
+  new key and an empty cache.
 - nonce (12 bytes): a random 4-byte prefix drawn per epoch || a 64-bit
   big-endian counter. Unique under a key by construction (the counter never
   repeats within an epoch, and each epoch has its own key); the prefix is
@@ -107,32 +109,61 @@ class SealRecord:
     tag: bytes
 
 
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC  # noqa: PLW0603 - loaded once, on first use
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    return _LIBC
+
+
 def _fill_random(buf: ctypes.Array[ctypes.c_char]) -> None:
     """Fill ``buf`` from the kernel CSPRNG without creating a Python bytes."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     n = len(buf)
-    got = libc.getrandom(buf, ctypes.c_size_t(n), 0)
+    got = _libc().getrandom(buf, ctypes.c_size_t(n), 0)
     if got != n:  # getrandom(2) on a 32-byte request never returns short
         raise OSError(ctypes.get_errno(), "getrandom failed")
 
 
 class _Epoch:
-    """One key and its nonce counter. ``AESGCM`` copies the key into its own
-    memory; the ctypes buffer it came through is wiped at once."""
+    """One key and its nonce counter.
 
-    __slots__ = ("aead", "counter", "index", "live", "prefix")
+    The key lives in a ctypes buffer owned by the epoch, never in an
+    immutable Python ``bytes``: it is ``mlock``ed (kept out of swap, which in
+    a CVM may be host-backed) where the limit allows, handed to ``AESGCM``
+    (which keeps its own copy) and, for the GPU backend, written into a
+    caller's buffer by :meth:`BlockSealer.export_key_to`. ``destroy`` wipes
+    it when the epoch's last block is gone.
+    """
+
+    __slots__ = ("_key", "_locked", "aead", "counter", "index", "live", "prefix")
 
     def __init__(self, index: int) -> None:
-        key = (ctypes.c_char * KEY_BYTES)()
+        self._key = (ctypes.c_char * KEY_BYTES)()
+        self._locked = _libc().mlock(self._key, ctypes.c_size_t(KEY_BYTES)) == 0
         try:
-            _fill_random(key)
-            self.aead = AESGCM(memoryview(key).cast("B"))
-        finally:
-            ctypes.memset(key, 0, KEY_BYTES)
+            _fill_random(self._key)
+            self.aead = AESGCM(memoryview(self._key).cast("B"))
+        except BaseException:
+            self.destroy()
+            raise
         self.index = index
         self.prefix = os.urandom(4)
         self.counter = 0
         self.live = 0
+
+    def copy_key_to(self, dst: ctypes.Array[ctypes.c_char]) -> None:
+        if len(dst) < KEY_BYTES:
+            raise SealingError("key destination must hold 32 bytes")
+        ctypes.memmove(dst, self._key, KEY_BYTES)
+
+    def destroy(self) -> None:
+        ctypes.memset(self._key, 0, KEY_BYTES)
+        if self._locked:
+            _libc().munlock(self._key, ctypes.c_size_t(KEY_BYTES))
+            self._locked = False
 
     def __repr__(self) -> str:  # never show key material
         return f"<key epoch {self.index}: {self.counter} seals, {self.live} live>"
@@ -174,18 +205,58 @@ class BlockSealer:
     def live_epochs(self) -> int:
         return len(self._epochs)
 
+    def _rotate_if_needed(self, n: int) -> _Epoch:
+        """The epoch to draw ``n`` nonces from (caller holds the lock)."""
+        epoch = self._current
+        if epoch.counter + n > self.rekey_after:
+            if n > self.rekey_after:
+                raise SealingError(f"cannot draw {n} nonces under one key (rekey_after)")
+            old = epoch
+            epoch = self._current = self._new_epoch(old.index + 1)
+            if old.live == 0:
+                del self._epochs[old.index]
+                old.destroy()
+        return epoch
+
     def _allocate(self) -> tuple[_Epoch, bytes]:
         with self._lock:
-            epoch = self._current
-            if epoch.counter >= self.rekey_after:
-                old = epoch
-                epoch = self._current = self._new_epoch(old.index + 1)
-                if old.live == 0:
-                    del self._epochs[old.index]
+            epoch = self._rotate_if_needed(1)
             nonce = epoch.prefix + struct.pack(">Q", epoch.counter)
             epoch.counter += 1
             epoch.live += 1
             return epoch, nonce
+
+    def allocate_for_device(self, n: int) -> tuple[int, list[bytes]]:
+        """Draw ``n`` fresh nonces under one epoch for a device-side seal.
+
+        Counts them as ``n`` live blocks of that epoch: the caller must call
+        :meth:`forget` once for each nonce whose block is not kept (a failed
+        seal burns its nonces; they are never drawn again).
+        """
+        if n < 1:
+            raise SealingError("n must be positive")
+        with self._lock:
+            epoch = self._rotate_if_needed(n)
+            first = epoch.counter
+            epoch.counter += n
+            epoch.live += n
+            return epoch.index, [epoch.prefix + struct.pack(">Q", first + i) for i in range(n)]
+
+    def export_key_to(self, epoch_index: int, dst: ctypes.Array[ctypes.c_char]) -> None:
+        """Write the epoch's 32-byte key into ``dst`` (caller-owned private
+        memory, e.g. a ctypes buffer about to be uploaded to the GPU). The
+        caller must wipe ``dst`` as soon as it is done. Only the CUDA backend
+        calls this; the key never leaves the process and the GPU."""
+        with self._lock:
+            epoch = self._epochs.get(epoch_index)
+            if epoch is None:
+                raise SealingError(f"key epoch {epoch_index} is gone")
+            epoch.copy_key_to(dst)
+
+    def live_epoch_ids(self) -> frozenset[int]:
+        """Epochs whose key still exists."""
+        with self._lock:
+            return frozenset(self._epochs)
 
     def seal_into(self, plaintext: memoryview, ad: BlockAD, out: memoryview) -> SealRecord:
         """Encrypt ``plaintext`` into ``out`` (``len(plaintext) + 16`` bytes:
@@ -239,6 +310,7 @@ class BlockSealer:
             epoch.live = max(0, epoch.live - 1)
             if epoch.live == 0 and epoch is not self._current:
                 del self._epochs[epoch_index]
+                epoch.destroy()
 
 
 # Power-on known-answer test (the GCM specification's AES-256 test cases 13

@@ -1,0 +1,2 @@
+"""Tests that need an NVIDIA GPU (marked ``gpu``; skipped without one; run by
+``make device-check``)."""

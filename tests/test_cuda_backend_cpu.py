@@ -1,0 +1,633 @@
+"""The CUDA backend's request logic on the CPU.
+
+``CudaBackend`` talks to the driver only through its ``Device`` interface; here it runs
+on ``EmulatedDevice`` (host memory + the g++-built kernel emulator), so descriptor
+building, chunking, staging/extent copy plans, epoch grouping, the all-or-nothing
+restore rule, nonce burning, IPC handle bookkeeping and host-region fallbacks are all
+exercised exactly as the GPU path issues them. What only a GPU can check (cuda-python
+call signatures, real streams/events, IPC across processes, pinned memory) is in
+tests/gpu/.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import random
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from kvseal.server.backend import BlockIO
+from kvseal.server.cuda import emulated as E
+from kvseal.server.cuda import probe
+from kvseal.server.cuda.backend import (
+    CudaBackend,
+    CudaError,
+    EmulatedDevice,
+    PoolDescriptors,
+    batch_check_code,
+    check_batch,
+    chunk_batch,
+    decode_torch_ipc_handle,
+    fill_descriptors,
+    plan_runs,
+    request_layout,
+    split_chunks,
+    staging_layout,
+)
+from kvseal.server.cuda.region import CudaHostRegion
+from kvseal.server.errors import BadRequest, HandleUnusable
+from kvseal.server.hostregion import Extent, align_up
+from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec
+from kvseal.server.sealing import BlockAD, BlockSealer, SealingError, _Epoch
+
+
+@pytest.fixture(scope="module")
+def emu() -> E.Emulator:
+    try:
+        return E.load_emulator()
+    except E.EmulatorUnavailable as exc:
+        pytest.skip(f"CPU emulator unavailable: {exc}")
+
+
+# --------------------------------------------------------------------------------------
+# A BlockSealer with the device key API, as the CUDA backend expects it. Test-only: its
+# keys are derived from the epoch index so tests can compare with AESGCM directly.
+# --------------------------------------------------------------------------------------
+
+
+def known_key(epoch: int) -> bytes:
+    return hashlib.sha256(b"kvseal test key %d" % epoch).digest()
+
+
+class DeviceSealer(BlockSealer):
+    def _new_epoch(self, index: int) -> _Epoch:
+        epoch = super()._new_epoch(index)
+        epoch.aead = AESGCM(known_key(index))
+        return epoch
+
+    def allocate_for_device(self, n: int) -> tuple[int, list[bytes]]:
+        with self._lock:
+            epoch = self._current
+            if epoch.counter + n > self.rekey_after:
+                old = epoch
+                epoch = self._current = self._new_epoch(old.index + 1)
+                if old.live == 0:
+                    del self._epochs[old.index]
+            nonces = [epoch.prefix + struct.pack(">Q", epoch.counter + i) for i in range(n)]
+            epoch.counter += n
+            epoch.live += n
+            return epoch.index, nonces
+
+    def export_key_to(self, epoch: int, dst: ctypes.Array[ctypes.c_char]) -> None:
+        with self._lock:
+            if epoch not in self._epochs:
+                raise SealingError(f"key epoch {epoch} is gone")
+        ctypes.memmove(dst, known_key(epoch), 32)
+
+    def live_epoch_ids(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._epochs)
+
+    def live_blocks(self, epoch: int) -> int:
+        with self._lock:
+            e = self._epochs.get(epoch)
+            return e.live if e is not None else 0
+
+
+# --------------------------------------------------------------------------------------
+# Pure helpers
+# --------------------------------------------------------------------------------------
+
+
+def test_staging_layout_aligns_slots() -> None:
+    offs, total = staging_layout(3, 1000)
+    assert offs == [0, 1024, 2048] and total == 3072
+    offs, total = staging_layout(2, 4 << 20)
+    assert offs == [0, 4 << 20] and total == 8 << 20
+
+
+def test_plan_runs_merges_only_back_to_back_extents() -> None:
+    bb = 4096
+    staging, _ = staging_layout(5, bb)
+    host = [0, 4096, 8192, 20480, 24576]
+    assert plan_runs(host, staging, bb, 0, 5) == [(0, 0, 12288), (20480, 12288, 8192)]
+    assert plan_runs(host, staging, bb, 1, 3) == [(4096, 4096, 8192)]
+    # Padded slots (block size not a multiple of 256) never merge: no padding is copied.
+    bb = 1000
+    staging, _ = staging_layout(3, bb)
+    host = [0, 1024, 2048]
+    assert plan_runs(host, staging, bb, 0, 3) == [
+        (0, 0, 1000),
+        (1024, 1024, 1000),
+        (2048, 2048, 1000),
+    ]
+
+
+def test_split_chunks_is_balanced_bounded_and_covers_everything() -> None:
+    assert split_chunks(0, 100) == []
+    assert split_chunks(1, 4 << 20) == [(0, 1)]
+    assert split_chunks(3, 1024) == [(0, 3)]  # too small to split
+    assert split_chunks(1024, 4 << 20) == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    for n in range(1, 50):
+        for k in (1, 2, 3, 4, 7):
+            ch = split_chunks(n, 1 << 20, k, 1 << 20)
+            assert 1 <= len(ch) <= k
+            assert ch[0][0] == 0 and ch[-1][1] == n
+            assert all(a < b for a, b in ch)
+            assert all(ch[i][1] == ch[i + 1][0] for i in range(len(ch) - 1))
+
+
+def test_request_layout_sections_are_aligned_and_disjoint() -> None:
+    for n in (1, 7, 64, 4096):
+        lay = request_layout(n)
+        starts = [lay.pages, lay.staging_offsets, lay.nonces, lay.aads, lay.tags, lay.ok, lay.ws]
+        sizes = [8 * n, 8 * n, 12 * n, 112 * n, 16 * n, n, 24 * n]
+        assert all(s % 256 == 0 for s in starts)
+        for (a, sa), b in zip(
+            zip(starts, sizes, strict=True), [*starts[1:], lay.total], strict=True
+        ):
+            assert a + sa <= b
+        assert lay.upload_seal == lay.tags and lay.upload_open == lay.ok
+
+
+def test_fill_descriptors_rejects_bad_input_before_writing() -> None:
+    lay = request_layout(2)
+    buf = ctypes.create_string_buffer(lay.total)
+    addr = ctypes.addressof(buf)
+    good = {
+        "pages": [1, 2],
+        "staging_offsets": [0, 256],
+        "nonces": [b"n" * 12] * 2,
+        "aads": [b"a" * 112] * 2,
+    }
+    with pytest.raises(ValueError, match="exceeds"):
+        fill_descriptors(addr, lay.total - 1, lay, **good)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one entry per block"):
+        fill_descriptors(addr, lay.total, lay, **{**good, "pages": [1]})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="12 bytes"):
+        fill_descriptors(addr, lay.total, lay, **{**good, "nonces": [b"n" * 11] * 2})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 0"):
+        fill_descriptors(addr, lay.total, lay, **{**good, "pages": [-1, 2]})  # type: ignore[arg-type]
+    assert buf.raw == bytes(lay.total)
+    fill_descriptors(addr, lay.total, lay, tags=[b"t" * 16, b"u" * 16], **good)  # type: ignore[arg-type]
+    raw = buf.raw
+    assert struct.unpack_from("<qq", raw, lay.pages) == (1, 2)
+    assert struct.unpack_from("<QQ", raw, lay.staging_offsets) == (0, 256)
+    assert raw[lay.tags : lay.tags + 32] == b"t" * 16 + b"u" * 16
+
+
+def test_host_batch_check_matches_the_kernels_check(emu: E.Emulator) -> None:
+    rng = random.Random(7)
+    lib = emu._lib
+    for _ in range(400):
+        b = E.KvsBatch()
+        for f in ("key", "buffers", "segments", "pages", "nonces", "aads", "staging"):
+            setattr(b, f, rng.choice([0, 64, 128]) if rng.random() < 0.1 else 64)
+        for f in ("staging_offsets", "tags", "ok", "ws"):
+            setattr(b, f, 0 if rng.random() < 0.05 else 64)
+        b.block_bytes = rng.choice([1, 16, 1000, 4 << 20, (1 << 27) - 1, 1 << 27, 1 << 28])
+        b.threads_per_cta = rng.choice([16, 32, 48, 64, 256, 1024, 2048])
+        b.slice_blocks = rng.choice([0, 32, 100, 256, 16384])
+        b.num_segments = rng.choice([0, 1, 5])
+        m = (b.block_bytes + 15) // 16
+        right = max(1, -(-m // b.slice_blocks)) if b.slice_blocks else 1
+        b.ctas_per_block = right if rng.random() < 0.8 else right + 1
+        b.num_blocks = 1
+        assert batch_check_code(b) == lib.kvseal_emu_check(ctypes.byref(b)), b
+    b.threads_per_cta = 16
+    with pytest.raises(ValueError, match="bad kernel descriptor"):
+        check_batch(b)
+
+
+def test_chunk_batch_offsets_every_per_block_array() -> None:
+    lay = request_layout(10)
+    pool = PoolDescriptors(buffers=0x1000, segments=0x2000, num_segments=3, block_bytes=4096)
+    b = chunk_batch(
+        key=0x10,
+        pool=pool,
+        desc=0x100000,
+        lay=lay,
+        staging=0x900000,
+        start=4,
+        stop=7,
+        config=E.LaunchConfig(),
+    )
+    assert b.pages == 0x100000 + lay.pages + 32
+    assert b.nonces == 0x100000 + lay.nonces + 48
+    assert b.aads == 0x100000 + lay.aads + 448
+    assert b.staging_offsets == 0x100000 + lay.staging_offsets + 32
+    assert b.tags == 0x100000 + lay.tags + 64
+    assert b.ok == 0x100000 + lay.ok + 4
+    assert b.ws == 0x100000 + lay.ws + 96
+    assert b.staging == 0x900000 and b.num_blocks == 3 and b.all_or_nothing == 0
+    with pytest.raises(ValueError):
+        chunk_batch(
+            key=1, pool=pool, desc=1, lay=lay, staging=1, start=5, stop=11, config=E.LaunchConfig()
+        )
+
+
+def test_decode_torch_ipc_handle() -> None:
+    raw = bytes(range(64))
+    assert decode_torch_ipc_handle(raw) == raw
+    assert decode_torch_ipc_handle(b"\x03c" + raw) == raw
+    assert decode_torch_ipc_handle(b"\x02c" + raw) == raw
+    with pytest.raises(ValueError, match="expandable_segments:False"):
+        decode_torch_ipc_handle(b"\x03e" + raw + b"more")
+    with pytest.raises(ValueError, match="unrecognised"):
+        decode_torch_ipc_handle(b"xx")
+
+
+def test_cc_mode_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSEAL_CC_MODE", "on")
+    assert probe.cc_mode() == "on"
+    monkeypatch.setenv("KVSEAL_CC_MODE", "off")
+    assert probe.cc_mode() == "off"
+    monkeypatch.delenv("KVSEAL_CC_MODE")
+    mode = probe.cc_mode()
+    assert mode in ("on", "off") or mode.startswith("unknown: ")
+
+
+def test_cuda_available_answers_without_raising() -> None:
+    ok, why = probe.cuda_available(0)
+    assert isinstance(ok, bool) and why
+    ok2, why2 = probe.cuda_available(10_000)
+    assert not ok2 and why2
+
+
+# --------------------------------------------------------------------------------------
+# The backend on the emulated device
+# --------------------------------------------------------------------------------------
+
+NS, TENANT = b"N" * 32, b"T" * 32
+
+
+class Rig:
+    """An engine pool in host memory, exported through the emulated device's fake IPC."""
+
+    def __init__(self, backend: CudaBackend, dev: EmulatedDevice, *, pages: int = 12) -> None:
+        self.backend, self.dev = backend, dev
+        # Two buffers, odd segment sizes and offsets, like the kernel tests (the block
+        # straddles segments at non-16-byte boundaries); one buffer shared by 2 handles'
+        # worth of segments.
+        self.pages = pages
+        self.segs = [
+            SegmentSpec(0, 40, 300, 200),
+            SegmentSpec(1, 8, 1024, 1000),
+            SegmentSpec(0, 40 + 300 * pages, 120, 57),
+        ]
+        self.bufs = [
+            bytearray(os.urandom(40 + 300 * pages + 120 * pages + 64)),
+            bytearray(os.urandom(8 + 1024 * pages)),
+        ]
+        self.handles = [dev.export(b) for b in self.bufs]
+        self.block_bytes = sum(s.bytes for s in self.segs)
+
+    def spec(self, name: str = "p", handles: list[bytes] | None = None) -> PoolSpec:
+        hs = handles or self.handles
+        buffers = tuple(
+            BufferSpec(None, h, 0, len(b), 0) for h, b in zip(hs, self.bufs, strict=True)
+        )
+        g = Geometry(self.pages, 4, 2, 2, 16, "bfloat16", "test", buffers, tuple(self.segs))
+        spec = PoolSpec(name, b"model", g, "cuda")
+        spec.validate()
+        return spec
+
+    def read(self, page: int) -> bytes:
+        return b"".join(
+            bytes(self.bufs[s.buffer][s.offset + page * s.page_stride :][: s.bytes])
+            for s in self.segs
+        )
+
+    def poison(self, page: int) -> None:
+        for s in self.segs:
+            start = s.offset + page * s.page_stride
+            self.bufs[s.buffer][start : start + s.bytes] = b"\xa5" * s.bytes
+
+    def blocks(self, pages: list[int], first_slot: int = 0, gaps: bool = False) -> list[BlockIO]:
+        size = align_up(self.block_bytes)
+        out = []
+        slot = first_slot
+        for i, p in enumerate(pages):
+            out.append(
+                BlockIO(
+                    p,
+                    Extent(slot * size, size),
+                    BlockAD(NS, TENANT, bytes([i]) * 32, 1),
+                    self.block_bytes,
+                )
+            )
+            slot += 2 if gaps else 1
+        return out
+
+
+@pytest.fixture
+def rig(emu: E.Emulator) -> Iterator[tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig]]:
+    dev = EmulatedDevice()
+    sealer = DeviceSealer()
+    backend = CudaBackend(sealer, 0, dev=dev, cc="off", min_chunk_bytes=1)
+    yield backend, dev, sealer, Rig(backend, dev)
+    backend.close()
+
+
+def _expected(rec_key: bytes, nonce: bytes, ad: BlockAD, pt: bytes) -> bytes:
+    return AESGCM(rec_key).encrypt(nonce, pt, ad.encode())
+
+
+@pytest.mark.parametrize("seal_mode", ["dma", "mapped"])
+@pytest.mark.parametrize("gaps", [False, True])
+def test_seal_then_open_round_trip_matches_aesgcm(
+    emu: E.Emulator, seal_mode: str, gaps: bool
+) -> None:
+    dev = EmulatedDevice()
+    sealer = DeviceSealer()
+    backend = CudaBackend(sealer, 0, dev=dev, cc="off", min_chunk_bytes=1, seal_mode=seal_mode)
+    try:
+        r = Rig(backend, dev)
+        region = backend.make_region(1 << 20, None)
+        assert region.description == "pinned cuMemHostAlloc (CC off)" and region.device_ptr
+        pool = backend.map_pool(r.spec())
+        pages = [3, 0, 11, 5, 7]
+        blocks = r.blocks(pages, gaps=gaps)
+        plain = {p: r.read(p) for p in pages}
+        dev.launches.clear()
+        records = backend.seal_blocks(pool, blocks, region)
+        kernels = [k for k, _ in dev.launches]
+        assert kernels.count("kvseal_key_setup") == 1
+        assert 1 < kernels.count("kvseal_seal") <= 4  # chunked, bounded
+        for b, rec in zip(blocks, records, strict=True):
+            sealed = _expected(known_key(rec.epoch), rec.nonce, b.ad, plain[b.page])
+            ct = bytearray(b.size)
+            assert region.read_into(b.extent.offset, memoryview(ct)) == b.size
+            assert bytes(ct) == sealed[:-16] and rec.tag == sealed[-16:]
+            assert bytes(ct) != plain[b.page]
+        assert len({rec.nonce for rec in records}) == len(records)
+        for p in pages:
+            r.poison(p)
+        dev.launches.clear()
+        assert backend.open_blocks(pool, blocks, records, region) == []
+        kernels = [k for k, _ in dev.launches]
+        assert kernels.count("kvseal_open") == 1 and kernels.count("kvseal_key_setup") == 0
+        for p in pages:
+            assert r.read(p) == plain[p]
+        pool.close()
+        region.close()
+    finally:
+        backend.close()
+
+
+def test_both_ways_with_blocksealer_format(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    """A block sealed by BlockSealer.seal_into (the CPU backend's format) opens on the
+    device path, and a device-sealed block opens with BlockSealer.open_into."""
+    backend, _dev, sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    blocks = r.blocks([1, 2])
+    # CPU -> device
+    plain = r.read(1)
+    out = bytearray(len(plain) + 16)
+    rec = sealer.seal_into(memoryview(bytearray(plain)), blocks[0].ad, memoryview(out))
+    region.write(blocks[0].extent.offset, memoryview(out)[: len(plain)])
+    r.poison(1)
+    assert backend.open_blocks(pool, blocks[:1], [rec], region) == []
+    assert r.read(1) == plain
+    # device -> CPU
+    (rec2,) = backend.seal_blocks(pool, blocks[1:], region)
+    ct = bytearray(r.block_bytes)
+    region.read_into(blocks[1].extent.offset, memoryview(ct))
+    back = bytearray(r.block_bytes)
+    sealer.open_into(rec2, blocks[1].ad, memoryview(bytes(ct) + rec2.tag), memoryview(back))
+    assert bytes(back) == r.read(2)
+
+
+@pytest.mark.parametrize("what", ["byte", "tag", "aad", "swap"])
+def test_tampering_writes_nothing(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig], what: str
+) -> None:
+    backend, _dev, _sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    pages = [0, 1, 2, 3]
+    blocks = r.blocks(pages)
+    records = backend.seal_blocks(pool, blocks, region)
+    for p in pages:
+        r.poison(p)
+    poisoned = {p: r.read(p) for p in pages}
+    if what == "byte":
+        one = bytearray(1)
+        region.read_into(blocks[2].extent.offset + 77, memoryview(one))
+        region.write(blocks[2].extent.offset + 77, memoryview(bytes([one[0] ^ 1])))
+        want = [2]
+    elif what == "tag":
+        records[1] = type(records[1])(records[1].epoch, records[1].nonce, bytes(16))
+        want = [1]
+    elif what == "aad":
+        b = blocks[3]
+        blocks[3] = BlockIO(b.page, b.extent, BlockAD(NS, TENANT, b.ad.block_hash, 2), b.size)
+        want = [3]
+    else:
+        blocks[0], blocks[1] = (
+            BlockIO(blocks[0].page, blocks[1].extent, blocks[0].ad, blocks[0].size),
+            BlockIO(blocks[1].page, blocks[0].extent, blocks[1].ad, blocks[1].size),
+        )
+        want = [0, 1]
+    assert backend.open_blocks(pool, blocks, records, region) == want
+    for p in pages:
+        assert r.read(p) == poisoned[p], "a failed restore wrote to the pool"
+
+
+def test_restore_across_key_epochs(emu: E.Emulator) -> None:
+    dev = EmulatedDevice()
+    sealer = DeviceSealer(rekey_after=3)
+    backend = CudaBackend(sealer, 0, dev=dev, cc="off", min_chunk_bytes=1)
+    try:
+        r = Rig(backend, dev)
+        region = backend.make_region(1 << 20, None)
+        pool = backend.map_pool(r.spec())
+        b1, b2 = r.blocks([0, 1, 2]), r.blocks([3, 4], first_slot=3)
+        rec1 = backend.seal_blocks(pool, b1, region)
+        rec2 = backend.seal_blocks(pool, b2, region)  # 3 + 2 > 3: a new epoch
+        assert rec1[0].epoch == 0 and rec2[0].epoch == 1
+        blocks = [b2[0], b1[0], b2[1], b1[1], b1[2]]
+        records = [rec2[0], rec1[0], rec2[1], rec1[1], rec1[2]]
+        plain = {b.page: r.read(b.page) for b in blocks}
+        for b in blocks:
+            r.poison(b.page)
+        poisoned = {b.page: r.read(b.page) for b in blocks}
+        # One bad block in one epoch: nothing at all is written, in either epoch.
+        bad = list(records)
+        bad[3] = type(bad[3])(bad[3].epoch, bad[3].nonce, bytes(16))
+        assert backend.open_blocks(pool, blocks, bad, region) == [3]
+        assert all(r.read(p) == poisoned[p] for p in poisoned)
+        assert backend.open_blocks(pool, blocks, records, region) == []
+        assert all(r.read(p) == plain[p] for p in plain)
+        # Retired epochs' device key contexts are wiped and freed.
+        for _ in range(3):
+            sealer.forget(0)
+        backend.seal_blocks(pool, r.blocks([5], first_slot=6), region)
+        assert 0 not in backend._keys
+    finally:
+        backend.close()
+
+
+def test_failed_seal_burns_every_nonce(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, dev, sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    backend.seal_blocks(pool, r.blocks([0]), region)  # key context exists now
+    live = sealer.live_blocks(0)
+
+    def boom(*a: object, **k: object) -> None:
+        raise CudaError("cuLaunchKernel(kvseal_seal) failed: CUDA_ERROR_LAUNCH_FAILED (719)", 719)
+
+    monkeypatch.setattr(dev, "launch", boom)
+    with pytest.raises(CudaError):
+        backend.seal_blocks(pool, r.blocks([1, 2, 3], first_slot=1), region)
+    assert sealer.live_blocks(0) == live
+    # A sticky error: the backend refuses further work with a clear message.
+    with pytest.raises(CudaError, match="restart kvseal-server"):
+        backend.seal_blocks(pool, r.blocks([4]), region)
+
+
+def test_map_pool_dedupes_handles_and_checks_sizes(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    backend, dev, _sealer, r = rig
+    spec = r.spec()
+    a = backend.map_pool(spec)
+    b = backend.map_pool(r.spec("q"))  # same handles: opened once, refcounted
+    assert dev.open_ipc_mappings == 2
+    a.close()
+    assert dev.open_ipc_mappings == 2
+    b.close()
+    assert dev.open_ipc_mappings == 0
+    # A buffer larger than its allocation.
+    g = spec.geometry
+    big = (BufferSpec(None, r.handles[0], 64, len(r.bufs[0]), 0), g.buffers[1])
+    bad = PoolSpec("x", b"m", Geometry(**{**_fields(g), "buffers": big}), "cuda")
+    with pytest.raises(HandleUnusable, match="CUDA allocation has"):
+        backend.map_pool(bad)
+    assert dev.open_ipc_mappings == 0
+    # Another GPU's buffer.
+    other = (BufferSpec(None, r.handles[0], 0, len(r.bufs[0]), 1), g.buffers[1])
+    with pytest.raises(HandleUnusable, match="one kvseal per GPU"):
+        backend.map_pool(PoolSpec("y", b"m", Geometry(**{**_fields(g), "buffers": other}), "cuda"))
+    # A handle the driver cannot open.
+    unknown = (BufferSpec(None, b"\x01" * 64, 0, 10, 0), g.buffers[1])
+    with pytest.raises(HandleUnusable, match="expandable_segments:False"):
+        backend.map_pool(
+            PoolSpec("z", b"m", Geometry(**{**_fields(g), "buffers": unknown}), "cuda")
+        )
+    assert dev.open_ipc_mappings == 0
+
+
+def test_map_pool_rejects_blocks_the_kernels_cannot_take(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    backend, dev, _sealer, _r = rig
+    big = bytearray(1 << 27)
+    h = dev.export(big)
+    g = Geometry(
+        1,
+        1,
+        1,
+        1,
+        1,
+        "uint8",
+        "t",
+        (BufferSpec(None, h, 0, len(big), 0),),
+        (SegmentSpec(0, 0, 1 << 27, 1 << 27),),
+    )
+    with pytest.raises(BadRequest, match="CUDA backend cannot use"):
+        backend.map_pool(PoolSpec("big", b"m", g, "cuda"))
+    assert dev.open_ipc_mappings == 0
+
+
+def _fields(g: Geometry) -> dict[str, object]:
+    return {f: getattr(g, f) for f in Geometry.__dataclass_fields__}
+
+
+def test_bad_event_handle_is_a_bad_request(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    backend, _dev, _sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    with pytest.raises(BadRequest, match="64 bytes"):
+        backend.seal_blocks(pool, r.blocks([0]), region, wait_event=b"short")
+    recs = backend.seal_blocks(pool, r.blocks([0]), region, wait_event=b"\x00" * 64)
+    assert backend.open_blocks(pool, r.blocks([0]), recs, region, wait_event=b"\x00" * 64) == []
+
+
+# --------------------------------------------------------------------------------------
+# Host region modes
+# --------------------------------------------------------------------------------------
+
+
+def test_region_file_is_registered_outside_cc(emu: E.Emulator, tmp_path: Path) -> None:
+    path = tmp_path / "region.bin"
+    region = CudaHostRegion(EmulatedDevice(), 1 << 16, str(path), cc="off")
+    try:
+        assert region.mode == "registered"
+        assert region.description == f"{path} registered with cuMemHostRegister (CC off)"
+        region.write(100, memoryview(b"abc"))
+        with open(path, "r+b") as f:  # the hypervisor's view and hand
+            f.seek(100)
+            assert f.read(3) == b"abc"
+            f.seek(101)
+            f.write(b"X")
+        out = bytearray(3)
+        assert region.read_into(100, memoryview(out)) == 3 and out == b"aXc"
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+    finally:
+        region.close()
+
+
+def test_region_falls_back_when_register_is_refused(emu: E.Emulator, tmp_path: Path) -> None:
+    region = CudaHostRegion(
+        EmulatedDevice(refuse_register=True), 4096, str(tmp_path / "r"), cc="unknown: no NVML"
+    )
+    try:
+        assert region.mode == "alloc"
+        assert region.description.startswith(
+            "pinned cuMemHostAlloc (CC unknown); cuMemHostRegister of"
+        )
+        assert "801" in region.description
+    finally:
+        region.close()
+
+
+def test_region_in_cc_mode_never_registers(emu: E.Emulator, tmp_path: Path) -> None:
+    dev = EmulatedDevice(refuse_register=True)
+    region = CudaHostRegion(dev, 4096, str(tmp_path / "r"), cc="on")
+    try:
+        assert region.mode == "alloc" and region.device_ptr is None
+        assert (
+            region.description
+            == f"pinned cuMemHostAlloc (CC on); --host-region {tmp_path / 'r'} ignored in CC mode"
+        )
+        assert not (tmp_path / "r").exists()
+    finally:
+        region.close()
+
+
+def test_region_bounds(emu: E.Emulator) -> None:
+    from kvseal.server.hostregion import RegionError
+
+    region = CudaHostRegion(EmulatedDevice(), 1024, None, cc="off")
+    with pytest.raises(RegionError):
+        region.write(1000, memoryview(bytes(100)))
+    out = bytearray(100)
+    assert region.read_into(1000, memoryview(out)) == 24
+    region.close()
+    region.close()
+    with pytest.raises(RegionError):
+        region.read_into(0, memoryview(out))
