@@ -21,7 +21,7 @@ What it does, in one run:
       per call, one thread; and the ratios sealed/raw.
 4. ``Lookup`` of one hash, N calls, through the public socket (the gate's
    relay) and straight to the daemon's internal gRPC socket
-   (``<socket dir>/.kvseal-<pid>/grpc.sock``): p50/p99.
+   (a fresh ``.kvseal-*`` directory; the daemon logs it): p50/p99.
 5. Prints a markdown table (last), stops the daemon with SIGTERM.
 
 Throughput is GB/s = 1e9 bytes/s of plaintext. No GPU is used.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
 import os
 import platform
 import secrets
@@ -105,8 +106,12 @@ class Daemon:
 
     @property
     def internal_target(self) -> str:
-        sock_dir = os.path.dirname(self.socket)
-        return "unix://" + os.path.join(sock_dir, f".kvseal-{self.proc.pid}", "grpc.sock")
+        """gRPC's private socket: a fresh 0700 ``.kvseal-*`` directory next to
+        the public socket (the bench's socket directory is private)."""
+        found = glob.glob(os.path.join(os.path.dirname(self.socket), ".kvseal-*", "grpc.sock"))
+        if len(found) != 1:
+            raise RuntimeError(f"expected one internal socket, found {found}")
+        return "unix://" + found[0]
 
 
 @contextmanager

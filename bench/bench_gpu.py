@@ -54,7 +54,7 @@ from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec
 from kvseal.server.sealing import BlockAD, SealingError
 
 LAYERS, TOKENS, HEADS, DIM, ELEM = 64, 16, 8, 128, 2
-KV_BYTES = TOKENS * HEADS * DIM * ELEM  # one page of K (or V) of one layer: 64 KiB
+KV_BYTES = TOKENS * HEADS * DIM * ELEM  # one page of K (or V) of one layer: 32 KiB
 BLOCK = 2 * LAYERS * KV_BYTES  # 4 MiB
 
 
@@ -95,8 +95,7 @@ class Timer:
         self.dev = dev
         self.cu: Any = None
         if isinstance(dev, CudaDevice):
-            import cuda.bindings.driver as cu
-
+            cu = probe.driver_module()
             self.cu = cu
             self.start = self._ok(cu.cuEventCreate(0))
             self.stop = self._ok(cu.cuEventCreate(0))

@@ -26,9 +26,10 @@ kernels-nvrtc-deps: venv
 # ---------------------------------------------------------------------------------
 # GPU runs (need an NVIDIA GPU): benchmark and the one-shot device check.
 
-# Everything the device check needs beyond the device image's torch, cuda-python,
-# grpcio and protobuf (pip download also fetches their dependencies).
-DEVICE_WHEELS := cryptography==50.0.2 cryptography-vectors==50.0.2 \
+# Everything the device check needs beyond the device image's torch and cuda-python
+# (pip download also fetches dependencies). protobuf/grpcio: installed only when the
+# image's are older than kvseal's generated stubs need.
+DEVICE_WHEELS := cryptography==50.0.2 cryptography-vectors==50.0.2 protobuf==7.36.2 grpcio==1.85.3 \
     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 prometheus-client==0.26.0 \
     pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17

@@ -32,6 +32,24 @@ export PYTHONPATH="$DEPS:$ROOT/client:$ROOT/server:$ROOT${PYTHONPATH:+:$PYTHONPA
 export KVSEAL_CACHE_DIR=${KVSEAL_CACHE_DIR:-$ROOT/build/kvseal-cache}
 export PYTHONDONTWRITEBYTECODE=1
 START=$(date +%s)
+# NVRTC from pip wheels (nvidia-cuda-nvrtc[-cu12], also pulled in by torch): cuda-python
+# before 12.8 dlopens libnvrtc by soname only, so put those lib dirs on the search path.
+NV_LIBS=$("$PY" - <<'EOF' 2>/dev/null
+import glob, os, site, sys
+roots = list(sys.path)
+try:
+    roots += [*site.getsitepackages(), site.getusersitepackages()]
+except Exception:
+    pass
+dirs = []
+for root in roots:
+    for d in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib"))):
+        if glob.glob(os.path.join(d, "libnvrtc.so*")) and d not in dirs:
+            dirs.append(d)
+print(":".join(dirs))
+EOF
+)
+[ -n "$NV_LIBS" ] && export LD_LIBRARY_PATH="$NV_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 declare -a SUMMARY=()
 
 note() { printf '\n=== %s\n' "$*"; }
@@ -72,15 +90,26 @@ note "environment"
 {
     "$PY" --version
     "$PY" - <<'EOF'
-import importlib, platform
+import importlib, importlib.metadata as md, platform
 print("platform:", platform.platform())
 for mod, attr in (("torch", "__version__"), ("cuda.bindings", "__version__"),
-                  ("grpc", "__version__"), ("google.protobuf", "__version__")):
+                  ("cuda.cuda", "__name__"), ("grpc", "__version__"),
+                  ("google.protobuf", "__version__")):
     try:
         m = importlib.import_module(mod)
         print(f"{mod}: {getattr(m, attr, '?')}")
     except Exception as e:
         print(f"{mod}: MISSING ({e})")
+for dist in ("cuda-python", "cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12"):
+    try:
+        print(f"dist {dist}: {md.version(dist)}")
+    except md.PackageNotFoundError:
+        pass
+try:
+    from kvseal.server.cuda.compile import nvrtc_version
+    print("NVRTC:", nvrtc_version())
+except Exception as e:
+    print("NVRTC: unavailable:", e)
 try:
     import torch
     print("torch.version.cuda:", torch.version.cuda, "| cuda available:", torch.cuda.is_available())
@@ -90,6 +119,8 @@ except Exception as e:
     print("torch CUDA query failed:", e)
 EOF
     command -v nvidia-smi >/dev/null && nvidia-smi -L
+    command -v nvidia-smi >/dev/null &&
+        echo "driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
     command -v nvidia-smi >/dev/null && nvidia-smi conf-compute -f 2>/dev/null
     "$PY" -c 'from kvseal.server.cuda.probe import cc_mode; print("CC mode (NVML):", cc_mode())' \
         2>&1
@@ -127,10 +158,25 @@ if [ -d wheels ] && ls wheels/*.whl >/dev/null 2>&1; then
             --upgrade $pkgs 2>&1 | tee "$LOGS/wheels.log"
     fi
 fi
+# kvseal's generated stubs need protobuf >= 7.35.1 and grpcio >= 1.85.1 (their gencode
+# versions); an older system protobuf/grpcio fails every daemon and client import.
+STUBS_PY='import kvseal.v1.kvseal_pb2, kvseal.v1.kvseal_pb2_grpc'
+if ! "$PY" -c "$STUBS_PY" >/dev/null 2>&1 && ls wheels/protobuf-*.whl >/dev/null 2>&1; then
+    note "system protobuf/grpcio too old for kvseal's stubs: installing them from ./wheels into $DEPS"
+    mkdir -p "$DEPS"
+    "$PY" -m pip install --quiet --no-index --find-links wheels --target "$DEPS" \
+        --upgrade protobuf grpcio 2>&1 | tee -a "$LOGS/wheels.log"
+fi
 missing=$("$PY" -c "$MISSING_PY" $NEEDED)
-for m in torch cuda.bindings grpc google.protobuf; do
+for m in torch grpc google.protobuf; do
     "$PY" -c "import $m" 2>/dev/null || missing="$missing $m"
 done
+# cuda-python: cuda.bindings.driver (>= 12.6) or cuda.cuda (older), as probe.driver_module.
+"$PY" -c 'from kvseal.server.cuda.probe import driver_module; driver_module()' 2>/dev/null ||
+    missing="$missing cuda-python"
+if [ -z "${missing// /}" ] && ! "$PY" -c "$STUBS_PY" 2>"$LOGS/stubs.log"; then
+    missing="$missing protobuf>=7.35.1/grpcio>=1.85.1(see-stubs.log)"
+fi
 if [ -n "${missing// /}" ]; then
     echo "device-check: missing Python modules:$missing" >&2
     echo "  run 'make device-wheels' on a machine with network and copy wheels/ here" >&2
@@ -158,8 +204,9 @@ record "gpu probe" "ok" "$(tail -1 "$LOGS/probe.log")"
 failed=0
 run nvrtc-build 90 "$PY" - "$DEVICE" <<'EOF' || failed=1
 import sys, time
-import cuda.bindings.driver as cu
 from kvseal.server.cuda import compile as kc
+from kvseal.server.cuda.probe import driver_module
+cu = driver_module()
 cu.cuInit(0)
 _, dev = cu.cuDeviceGet(int(sys.argv[1]))
 attr = cu.CUdevice_attribute

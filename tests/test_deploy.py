@@ -300,7 +300,9 @@ def test_rendered_pod_shape(name: str) -> None:
     # The vLLM adapter (kvseal.client.vllm) is not shipped: the engine must not
     # be pointed at a module it cannot import. The prepared patch stays valid.
     assert "--kv-transfer-config" not in vllm["args"]
-    patch = yaml.safe_load((ROOT / "deploy/kubernetes/overlays/vllm/kv-transfer-config.yaml").read_text())
+    patch = yaml.safe_load(
+        (ROOT / "deploy/kubernetes/overlays/vllm/kv-transfer-config.yaml").read_text()
+    )
     transfer = json.loads(patch[-1]["value"])
     assert transfer["kv_connector"] == "OffloadingConnector"
     assert transfer["kv_connector_extra_config"]["spec_module_path"] == "kvseal.client.vllm"

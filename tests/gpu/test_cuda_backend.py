@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("cuda.bindings.driver")
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 from kvseal.client import KVSealRpcError, tenant_digest  # noqa: E402
@@ -43,8 +42,10 @@ from ..conftest import DaemonProc, start_daemon  # noqa: E402
 from ..test_cuda_backend_cpu import DeviceSealer, known_key  # noqa: E402
 
 _ok, _why = probe.cuda_available(0)
-if not _ok or not torch.cuda.is_available():
+if not _ok:
     pytest.skip(f"no usable GPU: {_why}", allow_module_level=True)
+if not torch.cuda.is_available():
+    pytest.skip(f"torch {torch.__version__} has no usable CUDA ({_why})", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
 NS, TENANT = b"N" * 32, b"T" * 32

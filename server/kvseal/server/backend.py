@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from kvseal.server import telemetry
-from kvseal.server.errors import BadRequest, HandleUnusable
+from kvseal.server.errors import BadRequest, HandleUnusable, ShuttingDown
 from kvseal.server.hostregion import Extent, HostRegion
 from kvseal.server.memcopy import Pinned, memmove
 from kvseal.server.pools import MappedPool, PoolSpec
@@ -79,6 +79,9 @@ class Backend(Protocol):
 
     kind: str  # "cpu" | "cuda"
     detail: str
+    # Set when the daemon stops serving (shutdown, integrity abort): a request
+    # in flight must not write to an engine pool after it is set.
+    stopping: threading.Event
 
     def make_region(self, capacity: int, path: str | None) -> Region: ...
 
@@ -111,11 +114,27 @@ class CpuMappedPool:
     that every buffer fits inside it (the segments were checked against the
     buffers at registration), so gather/scatter can copy by address with
     ``memmove``, which releases the GIL.
+
+    Whose memory: the daemon opens objects with its own privileges, so it
+    accepts only objects owned by an allowed peer uid (else engine A could
+    name engine B's pool: a confused deputy), and never its own ciphertext
+    region. A mapped object that shrinks would turn the next copy into
+    SIGBUS: ``check`` re-reads the sizes before every batch (an engine that
+    truncates its own pool *during* a copy can still crash the daemon; that
+    needs fd passing of sealed memfds, not done yet).
     """
 
-    def __init__(self, spec: PoolSpec) -> None:
+    def __init__(
+        self,
+        spec: PoolSpec,
+        allowed_uids: frozenset[int] = frozenset(),
+        forbidden: frozenset[tuple[int, int]] = frozenset(),
+    ) -> None:
         self.spec = spec
+        self._allowed = allowed_uids
+        self._forbidden = forbidden
         self._maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}
         self._pins: dict[str, Pinned] = {}
         self._segments: list[tuple[int, int, int]] = []  # (address of page 0, stride, bytes)
         try:
@@ -141,8 +160,7 @@ class CpuMappedPool:
             (bases[s.buffer] + s.offset, s.page_stride, s.bytes) for s in spec.geometry.segments
         ]
 
-    @staticmethod
-    def _map(name: str) -> mmap.mmap:
+    def _map(self, name: str) -> mmap.mmap:
         path = os.path.join(SHM_DIR, name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -152,9 +170,29 @@ class CpuMappedPool:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
                 raise HandleUnusable(f"shared memory {name!r} is empty or not a memory object")
-            return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+            if self._allowed and st.st_uid not in self._allowed:
+                raise HandleUnusable(
+                    f"shared memory {name!r} is owned by uid {st.st_uid}, which is not an "
+                    "allowed peer (--allow-uid): the engine must own its pool"
+                )
+            if (st.st_dev, st.st_ino) in self._forbidden:
+                raise HandleUnusable(f"{name!r} is kvseal's own ciphertext region")
+            m = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
             os.close(fd)
+            raise
+        self._fds[name] = fd
+        return m
+
+    def check(self) -> None:
+        """Raise HandleUnusable if a mapped object shrank since it was mapped."""
+        for name, fd in self._fds.items():
+            size = os.fstat(fd).st_size
+            if size < len(self._maps[name]):
+                raise HandleUnusable(
+                    f"shared memory {name!r} shrank to {size} bytes while registered: "
+                    "register the pool again"
+                )
 
     def gather(self, page: int, dst: int) -> None:
         """Copy page ``page`` (checked by the caller) to private memory at ``dst``."""
@@ -178,6 +216,9 @@ class CpuMappedPool:
         for m in self._maps.values():
             m.close()
         self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 class _Scratch(threading.local):
@@ -240,8 +281,13 @@ class CpuBackend:
 
     kind = "cpu"
 
-    def __init__(self, sealer: BlockSealer, workers: int) -> None:
+    def __init__(
+        self, sealer: BlockSealer, workers: int, allowed_uids: frozenset[int] = frozenset()
+    ) -> None:
         self._sealer = sealer
+        self._allowed = allowed_uids
+        self._region_ids: frozenset[tuple[int, int]] = frozenset()
+        self.stopping = threading.Event()
         self._workers = max(1, workers)
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="kvseal-seal")
         self._scratch = _Scratch()
@@ -249,28 +295,36 @@ class CpuBackend:
         self.detail = f"cpu: AES-256-GCM (cryptography), {self._workers} sealing threads"
 
     def make_region(self, capacity: int, path: str | None) -> HostRegion:
-        return HostRegion(capacity, path)
+        region = HostRegion(capacity, path)
+        if path is not None:
+            st = os.stat(path)
+            self._region_ids = frozenset({(st.st_dev, st.st_ino)})
+        return region
 
     def map_pool(self, spec: PoolSpec) -> CpuMappedPool:
-        return CpuMappedPool(spec)
+        return CpuMappedPool(spec, self._allowed, self._region_ids)
 
     @staticmethod
     def _no_event(wait_event: bytes | None) -> None:
         if wait_event:
             raise BadRequest("cuda_event_ipc_handle is only meaningful on the CUDA backend")
 
-    def _parallel(self, n: int, fn: Callable[[int, int], list[T]]) -> list[T]:
-        """Run ``fn(start, stop)`` over contiguous chunks of ``range(n)``."""
-        chunks = min(self._workers, n)
-        if chunks <= 1:
-            return fn(0, n)
+    def _parallel(self, n: int, fn: Callable[[int, int], list[T]]) -> list[list[T] | BaseException]:
+        """Run ``fn(start, stop)`` over contiguous chunks of ``range(n)``;
+        returns each chunk's result or exception, after all have finished
+        (no thread outlives the call)."""
+        chunks = max(1, min(self._workers, n))
         bounds = [n * i // chunks for i in range(chunks + 1)]
+        if chunks == 1:
+            try:
+                return [fn(0, n)]
+            except BaseException as e:
+                return [e]
         futures = [self._pool.submit(fn, a, b) for a, b in itertools.pairwise(bounds)]
-        out: list[T] = []
-        for f in futures:  # wait for all before raising, so no thread outlives the call
-            f.exception()
+        out: list[list[T] | BaseException] = []
         for f in futures:
-            out.extend(f.result())
+            exc = f.exception()
+            out.append(exc if exc is not None else f.result())
         return out
 
     def seal_blocks(
@@ -282,18 +336,34 @@ class CpuBackend:
     ) -> list[SealRecord]:
         assert isinstance(pool, CpuMappedPool)
         self._no_event(wait_event)
+        pool.check()
 
         def work(a: int, b: int) -> list[SealRecord]:
-            records = []
-            for blk in blocks[a:b]:
-                sealed, addr = self._scratch.get(blk.size)
-                pool.gather(blk.page, addr)
-                rec = self._sealer.seal_into(sealed[: blk.size], blk.ad, sealed)
-                region.write(blk.extent.offset, sealed[: blk.size])
-                records.append(rec)
+            records: list[SealRecord] = []
+            try:
+                for blk in blocks[a:b]:
+                    sealed, addr = self._scratch.get(blk.size)
+                    pool.gather(blk.page, addr)
+                    rec = self._sealer.seal_into(sealed[: blk.size], blk.ad, sealed)
+                    records.append(rec)
+                    region.write(blk.extent.offset, sealed[: blk.size])
+            except BaseException:
+                # Their blocks will not be kept: release their epochs' references
+                # (the nonces stay burnt) so retired keys can still be destroyed.
+                for r in records:
+                    self._sealer.forget(r.epoch)
+                raise
             return records
 
-        return self._parallel(len(blocks), work)
+        results = self._parallel(len(blocks), work)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for r in results:
+                if not isinstance(r, BaseException):
+                    for rec in r:
+                        self._sealer.forget(rec.epoch)
+            raise errors[0]
+        return [rec for r in results if not isinstance(r, BaseException) for rec in r]
 
     def open_blocks(
         self,
@@ -305,6 +375,7 @@ class CpuBackend:
     ) -> list[int]:
         assert isinstance(pool, CpuMappedPool)
         self._no_event(wait_event)
+        pool.check()
         offsets = [0]
         for blk in blocks:
             offsets.append(offsets[-1] + blk.size + TAG_BYTES)
@@ -331,8 +402,15 @@ class CpuBackend:
 
         try:
             with telemetry.stage("copy_verify"):
-                failed = self._parallel(len(blocks), work)
+                results = self._parallel(len(blocks), work)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            failed = [i for r in results if not isinstance(r, BaseException) for i in r]
             if not failed:
+                if self.stopping.is_set():  # e.g. another request saw an integrity failure
+                    raise ShuttingDown("kvseal stopped serving; nothing was restored")
+                pool.check()
                 with telemetry.stage("scatter"):
                     pin = Pinned(staging_buf)
                     for i, blk in enumerate(blocks):

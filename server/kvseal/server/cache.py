@@ -8,11 +8,13 @@ lock, and completes. Failure at any point releases what was reserved.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 from kvseal.server import telemetry
 from kvseal.server.backend import Backend, BlockIO, Region
@@ -30,6 +32,26 @@ from kvseal.server.pools import Pool, PoolRegistry, PoolSpec
 from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer
 
 log = logging.getLogger("kvseal.cache")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _request(fn: F) -> F:
+    """Admit a request only while serving, and count it as in flight until
+    it returns, so that ``close`` never unmaps memory a request still uses."""
+
+    @functools.wraps(fn)
+    def wrapper(self: SealedCache, *args: Any, **kwargs: Any) -> Any:
+        with self._inflight_cv:
+            self._check_serving()
+            self._inflight += 1
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            with self._inflight_cv:
+                self._inflight -= 1
+                self._inflight_cv.notify_all()
+
+    return cast(F, wrapper)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,17 +118,28 @@ class SealedCache:
         self.region = region
         self.sealer = sealer
         self.pools = PoolRegistry(config.max_pools)
-        self.index = Index(region.capacity, on_free=self._on_free)
         self.events = EventBus(config.max_watchers)
+        self.index = Index(region.capacity, on_free=self._on_free, on_event=self._on_event)
         self.counters = Counters()
         self._counter_lock = threading.Lock()
         self._serving = True
+        self._inflight = 0
+        self._inflight_cv = threading.Condition()
         self._on_integrity_abort = on_integrity_abort
         self.observer = observer or Observer()
 
     def _on_free(self, e: Entry) -> None:
         if e.record is not None:
             self.sealer.forget(e.record.epoch)
+
+    def _on_event(self, kind: str, reason: Removal | None, entries: list[Entry]) -> None:
+        """Called by the index under its lock: publish in index order."""
+        groups: dict[tuple[bytes, bytes], list[bytes]] = {}
+        for e in entries:
+            groups.setdefault((e.key[0], e.key[1]), []).append(e.block_hash)
+        ev_kind = EventKind.STORED if kind == "STORED" else EventKind.REMOVED
+        for (ns, tenant), hashes in groups.items():
+            self.events.publish(ev_kind, reason.name if reason else "", ns, tenant, hashes)
 
     # ---------------------------------------------------------------- state
 
@@ -115,7 +148,10 @@ class SealedCache:
         return self._serving
 
     def stop_serving(self) -> None:
+        """No new request is admitted; requests in flight stop before they
+        write to an engine pool or publish a block (ShuttingDown)."""
         self._serving = False
+        self.backend.stopping.set()
 
     def _check_serving(self) -> None:
         if not self._serving:
@@ -180,8 +216,8 @@ class SealedCache:
 
     # ---------------------------------------------------------------- pools
 
+    @_request
     def register_pool(self, spec: PoolSpec) -> Registered:
-        self._check_serving()
         spec.validate()
         if spec.backend != self.backend.kind:
             raise BackendMismatch(
@@ -208,10 +244,10 @@ class SealedCache:
 
     # ---------------------------------------------------------------- blocks
 
+    @_request
     def lookup(
         self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]
     ) -> tuple[int, list[State]]:
-        self._check_serving()
         self._check_tenant(tenant)
         self._check_hashes(hashes)
         with self.pools.use(pool_id) as pool, telemetry.stage("lookup"):
@@ -222,13 +258,14 @@ class SealedCache:
         )
         return hit, states
 
+    @_request
     def touch(self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]) -> int:
-        self._check_serving()
         self._check_tenant(tenant)
         self._check_hashes(hashes)
         with self.pools.use(pool_id) as pool:
             return self.index.touch(pool.namespace, tenant, hashes)
 
+    @_request
     def offload(
         self,
         pool_id: str,
@@ -238,20 +275,19 @@ class SealedCache:
         pages: Sequence[int],
         wait_event: bytes | None = None,
     ) -> OffloadResult:
-        self._check_serving()
         self._check_tenant(tenant)
         self._check_hashes(hashes)
         if parent_hash is not None and len(parent_hash) != HASH_BYTES:
             raise BadRequest(
                 f"parent_hash has {len(parent_hash)} bytes; hashes are {HASH_BYTES} bytes"
             )
+        self._check_event(wait_event)
         with self.pools.use(pool_id) as pool:
             self._check_pages(pool, hashes, pages)
             ns, size = pool.namespace, pool.block_bytes
             with telemetry.stage("reserve"):
                 plan = self.index.begin_store(ns, tenant, parent_hash, hashes, size)
                 telemetry.annotate(evicted_blocks=len(plan.evicted), new_blocks=len(plan.new))
-            self._publish_removed(plan.evicted, Removal.EVICTED)
             blocks = [
                 BlockIO(
                     pages[pos],
@@ -272,6 +308,11 @@ class SealedCache:
             except BaseException:
                 self.index.complete_store(plan.new, [None] * len(plan.new))
                 raise
+            if not self._serving:  # stopped (abort) while sealing: publish nothing
+                self.index.complete_store(plan.new, [None] * len(plan.new))
+                for rec in records:
+                    self.sealer.forget(rec.epoch)
+                raise ShuttingDown("kvseal stopped serving while this offload ran")
             with telemetry.stage("commit"):
                 self.index.complete_store(plan.new, records)
             elapsed = time.perf_counter() - t0
@@ -283,8 +324,6 @@ class SealedCache:
             bytes=len(blocks) * size,
             evicted_blocks=len(plan.evicted),
         )
-        stored = [e.block_hash for e in plan.new if not e.removed]
-        self.events.publish(EventKind.STORED, "", ns, tenant, stored)
         nbytes = len(blocks) * size
         self._count(
             offloaded_blocks=len(blocks), offloaded_bytes=nbytes, evicted_blocks=len(plan.evicted)
@@ -293,6 +332,7 @@ class SealedCache:
             self.observer.on_transfer("offload", len(blocks), nbytes, elapsed)
         return OffloadResult(plan.outcomes, len(blocks), nbytes, len(plan.evicted))
 
+    @_request
     def restore(
         self,
         pool_id: str,
@@ -303,9 +343,9 @@ class SealedCache:
         release: bool,
         wait_event: bytes | None = None,
     ) -> RestoreResult:
-        self._check_serving()
         self._check_tenant(tenant)
         self._check_hashes(hashes)
+        self._check_event(wait_event)
         with self.pools.use(pool_id) as pool:
             self._check_pages(pool, hashes, pages)
             ns = pool.namespace
@@ -340,14 +380,12 @@ class SealedCache:
             if failed and self.config.integrity_policy is IntegrityPolicy.ABORT:
                 self.index.complete_restore(entries, release=False)
                 self._integrity_failure(pool, failed, abort=True)
-            released, bad = self.index.complete_restore(
+            self.index.complete_restore(
                 entries,
                 release=release and not failed,
                 failed=failed,
             )
-        self._publish_removed(released, Removal.RELEASED)
         if failed:
-            self._publish_removed(bad, Removal.INTEGRITY)
             self._integrity_failure(pool, failed, abort=False)
         nbytes = sum(e.size for e in entries)
         telemetry.annotate(restored_blocks=len(entries), bytes=nbytes)
@@ -375,7 +413,7 @@ class SealedCache:
             log.critical(
                 "INTEGRITY FAILURE in pool %s: %s; policy abort: stopping", pool.pool_id, msg
             )
-            self._serving = False
+            self.stop_serving()
             if self._on_integrity_abort is not None:
                 self._on_integrity_abort()
             raise IntegrityFailure(msg + "; kvseal is stopping (policy abort)")
@@ -384,10 +422,10 @@ class SealedCache:
         )
         raise IntegrityFailure(msg + "; the blocks were evicted (policy drop)")
 
+    @_request
     def drop(
         self, pool_id: str, tenant: bytes, hashes: Sequence[bytes], *, all_of_tenant: bool
     ) -> int:
-        self._check_serving()
         self._check_tenant(tenant)
         if all_of_tenant and hashes:
             raise BadRequest("give either block_hashes or all_of_tenant, not both")
@@ -395,19 +433,32 @@ class SealedCache:
             self._check_hashes(hashes)
         with self.pools.use(pool_id) as pool:
             removed = self.index.drop(pool.namespace, tenant, None if all_of_tenant else hashes)
-        self._publish_removed(removed, Removal.DROPPED)
         self._count(dropped_blocks=len(removed))
         return len(removed)
 
-    def _publish_removed(self, entries: list[Entry], reason: Removal) -> None:
-        groups: dict[tuple[bytes, bytes], list[bytes]] = {}
-        for e in entries:
-            if e.state is State.READY:  # PENDING ones were never announced
-                groups.setdefault((e.key[0], e.key[1]), []).append(e.block_hash)
-        for (ns, tenant), hashes in groups.items():
-            self.events.publish(EventKind.REMOVED, reason.name, ns, tenant, hashes)
+    def _check_event(self, wait_event: bytes | None) -> None:
+        """Validated before anything is reserved: a rejected request changes nothing."""
+        if not wait_event:
+            return
+        if self.backend.kind != "cuda":
+            raise BadRequest("cuda_event_ipc_handle is only meaningful on the CUDA backend")
+        if len(wait_event) != 64:
+            raise BadRequest(f"cuda_event_ipc_handle must be 64 bytes, got {len(wait_event)}")
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> bool:
+        """Stop serving, wait up to ``timeout`` seconds for requests in flight,
+        then release pools, backend and region. Returns False (and releases
+        nothing: memory a request may still touch stays mapped until the
+        process exits) if requests were still running at the deadline."""
+        self.stop_serving()
+        deadline = time.monotonic() + timeout
+        with self._inflight_cv:
+            while self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.error("%d request(s) still running; not releasing memory", self._inflight)
+                    return False
+                self._inflight_cv.wait(left)
         for pool in self.pools.all():
             try:
                 self.pools.remove(pool.pool_id)
@@ -415,3 +466,4 @@ class SealedCache:
                 continue
         self.backend.close()
         self.region.close()
+        return True

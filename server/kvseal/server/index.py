@@ -12,6 +12,11 @@ Removal (evict, drop, write-back release, integrity failure) takes a block out
 of the map at once, so a new store of the same hash can start, but its slot is
 freed only when no restore pins it and no store is sealing into it.
 
+Events: ``on_event(kind, reason, entries)`` is called *under the lock* at
+each visible transition (STORED when an entry becomes READY; REMOVED when a
+READY entry leaves, with the Removal reason), so the order watchers see is
+the order things happened. PENDING entries are never announced.
+
 Chains: an entry may link to its parent (the previous block of its chain)
 when that parent is in the index. Eviction only takes *leaves* (entries with
 no linked children), least recently used first, and drops cascade to
@@ -98,13 +103,25 @@ class Index:
     whose slot is actually released, e.g. to drop its key epoch reference.
     """
 
-    def __init__(self, capacity: int, on_free: Callable[[Entry], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        on_free: Callable[[Entry], None] | None = None,
+        on_event: Callable[[str, Removal | None, list[Entry]], None] | None = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._alloc = ExtentAllocator(capacity)
         self._map: dict[BlockKey, Entry] = {}
         self._lru: OrderedDict[BlockKey, Entry] = OrderedDict()  # READY only, oldest first
         self._generation = 0
         self._on_free = on_free
+        self._on_event = on_event
+
+    def _announce(self, kind: str, reason: Removal | None, entries: list[Entry]) -> None:
+        """Report READY entries (caller holds the lock; must not block)."""
+        visible = [e for e in entries if e.state is State.READY]
+        if visible and self._on_event is not None:
+            self._on_event(kind, reason, visible)
 
     # ----------------------------------------------------------- queries
 
@@ -177,6 +194,7 @@ class Index:
             evicted = self._plan_eviction(sizes, protected)
             for victim in evicted:
                 self._remove(victim, cascade=False)
+            self._announce("REMOVED", Removal.EVICTED, evicted)
             new: list[Entry] = []
             for pos in new_positions:
                 extent = self._alloc.allocate(size)
@@ -240,21 +258,31 @@ class Index:
 
     def complete_store(
         self, entries: Sequence[Entry], records: Sequence[SealRecord | None]
-    ) -> None:
+    ) -> list[Entry]:
         """Publish sealed entries as READY (record given) or release them
         (None: sealing failed). Entries removed meanwhile (e.g. dropped, or a
-        cascade from their parent) are freed instead of published."""
+        cascade from their parent) are freed instead of published. A failed
+        entry takes its descendants with it (another request may have linked
+        READY children under it while it was pending): those are returned,
+        and announced as REMOVED (DROPPED)."""
         with self._lock:
+            stored: list[Entry] = []
+            cascaded: list[Entry] = []
             for e, rec in zip(entries, records, strict=True):
                 e.record = rec
                 if rec is None or e.removed:
                     if not e.removed:
-                        self._remove(e, cascade=True)
-                    e.state = State.READY if rec is not None else e.state
+                        cascaded.extend(c for c in self._remove(e, cascade=True) if c is not e)
+                    if rec is not None:
+                        e.state = State.READY  # sealed, but nobody will see it
                     self._free_if_idle(e, sealing_done=True)
                     continue
                 e.state = State.READY
                 self._lru[e.key] = e
+                stored.append(e)
+            self._announce("STORED", None, stored)
+            self._announce("REMOVED", Removal.DROPPED, cascaded)
+            return cascaded
 
     # ----------------------------------------------------------- restore
 
@@ -294,6 +322,8 @@ class Index:
                 for e in entries:
                     if not e.removed and e.key in self._lru:
                         self._lru.move_to_end(e.key)
+            self._announce("REMOVED", Removal.INTEGRITY, bad)
+            self._announce("REMOVED", Removal.RELEASED, released)
             for e in entries:
                 e.pins -= 1
                 self._free_if_idle(e)
@@ -313,6 +343,7 @@ class Index:
             for e in targets:
                 if not e.removed:
                     removed.extend(self._remove(e, cascade=True))
+            self._announce("REMOVED", Removal.DROPPED, removed)
             return removed
 
     # ----------------------------------------------------------- internals

@@ -24,6 +24,7 @@ import signal
 import socket
 import stat
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -259,18 +260,60 @@ def make_backend(cfg: ServerConfig, sealer: sealing.BlockSealer) -> Backend:
         if cfg.backend == "cuda":
             raise SystemExit(f"kvseal-server: --backend cuda: {reason}")
         log.info("backend auto: using cpu (%s)", reason)
-    return CpuBackend(sealer, cfg.effective_workers)
+    return CpuBackend(sealer, cfg.effective_workers, cfg.effective_allow_uids)
 
 
-def _prepare_unix_dir(path: str) -> None:
+def _prepare_unix_dir(path: str) -> bool:
+    """Make sure nobody but this uid (or root) controls the socket directory.
+
+    Creates it 0700 if missing. Refuses (exit 2) a directory that is a
+    symlink, or owned by another uid: its owner could replace the socket and
+    answer the engine in kvseal's name. Returns whether the directory is
+    *private* (ours and not writable by group/others); a shared one (e.g. a
+    Kubernetes emptyDir, root-owned 0777, reachable only from the pod) is
+    accepted with a warning, and gRPC's own socket then goes elsewhere.
+    """
     d = os.path.dirname(path) or "."
-    if not os.path.isdir(d):
+    if not os.path.lexists(d):
         os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.stat(d)
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+    st = os.lstat(d)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise SystemExit(
-            f"kvseal-server: socket directory {d} is world-writable: refusing to use it"
+            f"kvseal-server: socket directory {d} is not a directory (or is a symlink)"
         )
+    if st.st_uid not in (os.geteuid(), 0):
+        raise SystemExit(
+            f"kvseal-server: socket directory {d} is owned by uid {st.st_uid}: refusing to use it "
+            "(its owner could replace the socket)"
+        )
+    private = st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    if not private:
+        log.warning(
+            "socket directory %s is writable by others (mode %o): fine for a pod-private volume, "
+            "not on a shared host",
+            d,
+            stat.S_IMODE(st.st_mode),
+        )
+    return private
+
+
+def _private_dir(socket_dir: str, in_socket_dir: bool) -> str:
+    """A fresh 0700 directory for gRPC's own socket (random name: nothing
+    can be planted there in advance), inside the socket directory when that
+    is private, else in the system temp directory (sticky: nobody else can
+    rename our entry)."""
+    base = socket_dir if in_socket_dir else tempfile.gettempdir()
+    if not in_socket_dir:
+        st = os.lstat(base)
+        if not (
+            st.st_mode & stat.S_ISVTX or (st.st_uid == os.geteuid() and not st.st_mode & 0o022)
+        ):
+            raise SystemExit(f"kvseal-server: no safe place for the internal socket ({base})")
+    d = tempfile.mkdtemp(prefix=".kvseal-", dir=base)
+    st = os.lstat(d)
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:  # pragma: no cover
+        raise SystemExit(f"kvseal-server: {d} is not a private directory")
+    return d
 
 
 # ------------------------------------------------------------------ server
@@ -334,13 +377,12 @@ class Daemon:
         gate = None
         private_dir = None
         if cfg.unix_path is not None:
-            _prepare_unix_dir(cfg.unix_path)
-            # gRPC's own socket lives in a 0700 directory: only this uid can
-            # bypass the gate, and the gate admits only allowed uids.
-            private_dir = os.path.join(os.path.dirname(cfg.unix_path), f".kvseal-{os.getpid()}")
-            os.makedirs(private_dir, mode=0o700, exist_ok=True)
-            os.chmod(private_dir, 0o700)
+            private = _prepare_unix_dir(cfg.unix_path)
+            # gRPC's own socket lives in a fresh 0700 directory: only this uid
+            # can bypass the gate, and the gate admits only allowed uids.
+            private_dir = _private_dir(os.path.dirname(cfg.unix_path) or ".", private)
             internal = os.path.join(private_dir, "grpc.sock")
+            log.info("internal gRPC socket: %s (reachable by uid %d only)", internal, os.geteuid())
             server.add_insecure_port("unix://" + internal)
             gate = PeerCredGate(cfg.unix_path, internal, cfg.effective_allow_uids)
         else:
@@ -393,11 +435,15 @@ class Daemon:
         self.stop_event.wait()
         sd_notify("STOPPING=1")
         log.info("shutting down: draining for up to %.1fs", self.cfg.grace_seconds)
-        self.server.stop(self.cfg.grace_seconds).wait()
-        self.cache.stop_serving()
+        self.server.stop(self.cfg.grace_seconds).wait()  # refuse new RPCs, drain the rest
         if self.gate is not None:
             self.gate.stop()
-        self.cache.close()
+        # grpc's stop() does not wait for handler threads: the cache does,
+        # before it unmaps anything a handler may still copy into.
+        if not self.cache.close(timeout=max(5.0, self.cfg.grace_seconds)):
+            log.critical("requests did not finish; exiting without releasing memory")
+            logging.shutdown()
+            os._exit(self.exit_code)
         if self._stop_metrics is not None:
             self._stop_metrics()
         telemetry.shutdown_tracing()
@@ -418,7 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     setup_logging(cfg)
     harden_process()
-    daemon = Daemon.create(cfg)
+    try:
+        daemon = Daemon.create(cfg)
+    except SystemExit as e:  # start-up refusals carry their one-line message
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return EXIT_CONFIG
+        raise
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.begin_shutdown())
     daemon.start()

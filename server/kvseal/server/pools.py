@@ -108,8 +108,51 @@ class Geometry:
                     f"{where} reaches byte {end} of buffer {s.buffer}, which has {size} bytes: "
                     "the geometry does not fit the buffer"
                 )
+        self._check_disjoint()
         if self.block_bytes > MAX_BLOCK_BYTES:
             raise BadRequest(f"a block would be {self.block_bytes} bytes (limit {MAX_BLOCK_BYTES})")
+
+    def _check_disjoint(self) -> None:
+        """No byte of the pool may belong to two (segment, page) pairs, or a
+        restore into one page would also rewrite another.
+
+        Per buffer: segments whose whole extents (all pages) do not overlap
+        are fine. Segments whose extents do overlap (pages interleaved, e.g.
+        a [pages, K/V, ...] tensor) must share one stride, and their page-0
+        spans must be disjoint and fit inside one stride: then every page's
+        spans tile a separate stride-sized window. Anything else is refused
+        (kvseal cannot cheaply prove it safe).
+        """
+        by_buffer: dict[int, list[SegmentSpec]] = {}
+        for s in self.segments:
+            by_buffer.setdefault(s.buffer, []).append(s)
+        last = self.num_pages - 1
+        for buf, segs in by_buffer.items():
+            segs.sort(key=lambda s: s.offset)
+            group: list[SegmentSpec] = []
+            group_end = -1
+            for seg in [*segs, None]:
+                if seg is not None and seg.offset < group_end:
+                    group.append(seg)
+                    group_end = max(group_end, seg.offset + last * seg.page_stride + seg.bytes)
+                    continue
+                if len(group) > 1:
+                    self._check_interleaved(buf, group)
+                if seg is not None:
+                    group = [seg]
+                    group_end = seg.offset + last * seg.page_stride + seg.bytes
+
+    def _check_interleaved(self, buf: int, group: list[SegmentSpec]) -> None:
+        stride = group[0].page_stride
+        window_end = group[0].offset + stride
+        prev_end = group[0].offset
+        for s in group:
+            if s.page_stride != stride or s.offset < prev_end or s.offset + s.bytes > window_end:
+                raise BadRequest(
+                    f"segments of buffer {buf} overlap: some page's bytes would belong to two "
+                    "pages or two segments (overlapping pages)"
+                )
+            prev_end = s.offset + s.bytes
 
 
 @dataclass(frozen=True, slots=True)

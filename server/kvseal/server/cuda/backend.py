@@ -43,7 +43,6 @@ building, chunking, epoch grouping and the all-or-nothing rule without a GPU.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import itertools
 import logging
 import secrets
@@ -67,7 +66,7 @@ from kvseal.server.cuda.emulated import (
     segment_table,
 )
 from kvseal.server.cuda.region import CudaHostRegion
-from kvseal.server.errors import BadRequest, HandleUnusable
+from kvseal.server.errors import BadRequest, HandleUnusable, ShuttingDown
 from kvseal.server.pools import MappedPool, PoolSpec
 from kvseal.server.sealing import KEY_BYTES, SealRecord
 
@@ -461,8 +460,10 @@ class CudaDevice:
     """
 
     def __init__(self, ordinal: int) -> None:
+        from kvseal.server.cuda import probe  # noqa: PLC0415
+
         try:
-            self._cu: Any = importlib.import_module("cuda.bindings.driver")
+            self._cu: Any = probe.driver_module()
         except ImportError as e:
             raise BackendUnavailable(f"cuda-python (cuda-bindings) is not installed: {e}") from e
         cu = self._cu
@@ -533,9 +534,21 @@ class CudaDevice:
         except (kc.NvrtcUnavailable, kc.NvrtcError) as e:
             raise BackendUnavailable(f"cannot compile the kernels with NVRTC: {e}") from e
         image = ctypes.create_string_buffer(compiled.image)  # NUL-terminated (PTX needs it)
-        self._module = self._check(
-            self._cu.cuModuleLoadData(ctypes.addressof(image)), "cuModuleLoadData"
-        )
+        try:
+            self._module = self._check(
+                self._cu.cuModuleLoadData(ctypes.addressof(image)), "cuModuleLoadData"
+            )
+        except CudaError as e:
+            # Typically a driver older than the NVRTC that built the image (e.g.
+            # CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say which versions met.
+            err, drv = self._cu.cuDriverGetVersion()
+            driver = f"{int(drv) // 1000}.{int(drv) % 1000 // 10}" if int(err) == 0 else "?"
+            nv = ".".join(map(str, compiled.nvrtc_version))
+            raise BackendUnavailable(
+                f"the driver cannot load the {compiled.output} {compiled.arch} image built by "
+                f"NVRTC {nv} ({e}); the driver supports CUDA {driver}: use a cuda-python/NVRTC "
+                "no newer than the driver (or update the driver)"
+            ) from e
         self._functions = {
             name: self._check(
                 self._cu.cuModuleGetFunction(self._module, name.encode()),
@@ -958,6 +971,7 @@ class CudaBackend:
         from kvseal.server.cuda import probe  # noqa: PLC0415
 
         self._sealer = sealer
+        self.stopping = threading.Event()  # set by the cache when it stops serving
         self._dev: Device = dev if dev is not None else CudaDevice(device)
         self.cc = cc if cc is not None else probe.cc_mode()
         self.config = config or LaunchConfig()
@@ -1351,6 +1365,8 @@ class CudaBackend:
                 flags = ctypes.string_at(host + lay.ok, n)
                 if any(f != 1 for f in flags):
                     return sorted(perm[j] for j in range(n) if flags[j] != 1)
+            if self.stopping.is_set():  # an integrity abort elsewhere: write no page
+                raise ShuttingDown("kvseal stopped serving; nothing was restored")
             for e, g0, g1 in groups:
                 batch = chunk_batch(
                     key=keys[e],

@@ -108,9 +108,19 @@ def _cache_dir() -> Path:
 
 def _program_log(nvrtc: Any, prog: Any) -> str:
     size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-    buf = b" " * size
+    buf = _out_buffer(size)
     _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-    return str(buf.rstrip(b"\0").decode(errors="replace").strip())
+    return str(bytes(buf).rstrip(b"\0").decode(errors="replace").strip())
+
+
+def _out_buffer(size: int) -> bytearray:
+    """A writable buffer for NVRTC to fill (its ``char*`` outputs accept bytearray).
+
+    Never ``b" " * size``, the idiom of cuda-python's samples: for size 1 (an empty
+    compile log is just its NUL) that is CPython's shared one-byte ``b" "`` object,
+    and NVRTC writing the NUL into it turns every ``b" "`` of the process into
+    ``b"\\0"`` (print() then writes NULs for spaces, and so does every encoder)."""
+    return bytearray(max(1, size))
 
 
 def compile_kernels(
@@ -165,12 +175,13 @@ def compile_kernels(
             raise NvrtcError(f"NVRTC compile of {MAIN_SOURCE} for {target} failed:\n{log}")
         if output == "cubin":
             size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            image = b" " * size
-            _check(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+            out = _out_buffer(size)
+            _check(nvrtc.nvrtcGetCUBIN(prog, out), "nvrtcGetCUBIN")
         else:
             size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-            image = b" " * size
-            _check(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
+            out = _out_buffer(size)
+            _check(nvrtc.nvrtcGetPTX(prog, out), "nvrtcGetPTX")
+        image = bytes(out)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -24,7 +24,11 @@ import importlib
 import os
 from typing import Any
 
-__all__ = ["cc_mode", "cuda_available", "device_summary"]
+__all__ = ["DRIVER_MODULES", "cc_mode", "cuda_available", "device_summary", "driver_module"]
+
+# cuda-python's driver bindings: ``cuda.bindings.driver`` since cuda-python 12.6
+# (cuda-bindings), ``cuda.cuda`` before (same functions, types and return tuples).
+DRIVER_MODULES = ("cuda.bindings.driver", "cuda.cuda")
 
 _NVML_SUCCESS = 0
 _NVML_CC_FEATURE_ENABLED = 1
@@ -40,8 +44,19 @@ class _NvmlCcState(ctypes.Structure):
     )
 
 
-def _driver() -> Any:
-    return importlib.import_module("cuda.bindings.driver")
+def driver_module() -> Any:
+    """The cuda-python driver module (see :data:`DRIVER_MODULES`); ImportError when
+    cuda-python is not installed. Importing it does not load libcuda."""
+    first: ImportError | None = None
+    for name in DRIVER_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            first = first or e
+    raise ImportError(f"no cuda-python driver bindings ({' or '.join(DRIVER_MODULES)}): {first}")
+
+
+_driver = driver_module
 
 
 def _err_name(cu: Any, err: Any) -> str:

@@ -79,7 +79,16 @@ class CudaHostRegion:
                 note = f"; cuMemHostRegister of {path} refused: {e}"
         mapped = not cc_on
         try:
-            self.host_ptr = dev.host_alloc(capacity, mapped=mapped)
+            try:
+                self.host_ptr = dev.host_alloc(capacity, mapped=mapped)
+            except Exception as e:
+                if not mapped:
+                    raise
+                # Mapping is an optimisation only (and CC mode may refuse DEVICEMAP
+                # when NVML could not tell that CC is on): plain pinned memory then.
+                log.warning("mapped cuMemHostAlloc refused (%s); retrying unmapped", e)
+                mapped = False
+                self.host_ptr = dev.host_alloc(capacity, mapped=False)
         except Exception as e:
             raise RegionError(
                 f"cannot allocate {capacity} bytes of pinned host memory with cuMemHostAlloc "
