@@ -413,9 +413,20 @@ class CpuBackend:
                 pool.check()
                 with telemetry.stage("scatter"):
                     pin = Pinned(staging_buf)
-                    for i, blk in enumerate(blocks):
-                        pool.scatter(blk.page, pin.address + offsets[i])
-                    pin.release()
+                    base = pin.address
+
+                    def scatter(a: int, b: int) -> list[None]:
+                        for i in range(a, b):
+                            pool.scatter(blocks[i].page, base + offsets[i])
+                        return []
+
+                    try:
+                        # memmove drops the GIL: both threads' copies overlap.
+                        for outcome in self._parallel(len(blocks), scatter):
+                            if isinstance(outcome, BaseException):
+                                raise outcome
+                    finally:
+                        pin.release()
         finally:
             staging.release()
             self._staging.give(staging_buf)
