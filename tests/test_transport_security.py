@@ -189,3 +189,26 @@ def test_plaintext_tcp_is_refused(tmp_path: Path) -> None:
     )
     assert r.returncode == 2
     assert "requires mutual TLS" in r.stderr
+
+
+def test_pod_style_shared_directories_are_accepted(tmp_path: Path) -> None:
+    """In a Kubernetes pod the socket volume and /tmp are emptyDirs (mode
+    0777, no sticky bit, reachable only from the pod): the daemon must still
+    start there, putting its internal socket in a fresh 0700 directory."""
+    from .conftest import start_daemon
+
+    work = tmp_path / "pod"
+    run, tmp = work / "run", work / "tmp"
+    run.mkdir(parents=True)
+    tmp.mkdir()
+    os.chmod(run, 0o777)
+    os.chmod(tmp, 0o777)
+    d = start_daemon(work, env={"TMPDIR": str(tmp)})
+    try:
+        with d.client() as c:
+            assert c.health() == "SERVING"
+        private = [p for p in run.iterdir() if p.name.startswith(".kvseal-")]
+        assert len(private) == 1 and stat.S_IMODE(private[0].stat().st_mode) == 0o700
+        assert "writable by others" in d.log()
+    finally:
+        d.stop()

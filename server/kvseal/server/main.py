@@ -297,18 +297,24 @@ def _prepare_unix_dir(path: str) -> bool:
     return private
 
 
-def _private_dir(socket_dir: str, in_socket_dir: bool) -> str:
-    """A fresh 0700 directory for gRPC's own socket (random name: nothing
-    can be planted there in advance), inside the socket directory when that
-    is private, else in the system temp directory (sticky: nobody else can
-    rename our entry)."""
-    base = socket_dir if in_socket_dir else tempfile.gettempdir()
-    if not in_socket_dir:
-        st = os.lstat(base)
-        if not (
-            st.st_mode & stat.S_ISVTX or (st.st_uid == os.geteuid() and not st.st_mode & 0o022)
-        ):
-            raise SystemExit(f"kvseal-server: no safe place for the internal socket ({base})")
+def _private_dir(socket_dir: str, socket_dir_private: bool) -> str:
+    """A fresh 0700 directory (random name: nothing can be planted there in
+    advance) for gRPC's own socket.
+
+    Where: in the socket directory when that is private; else in the system
+    temp directory if it is sticky or private (nobody else can rename our
+    entry there); else, e.g. in a Kubernetes pod whose emptyDir volumes are
+    all 0777, back in the socket directory, which is then no less exposed
+    than the public socket itself (reachable only from the pod).
+    """
+    base = socket_dir
+    if not socket_dir_private:
+        tmp = tempfile.gettempdir()
+        st = os.lstat(tmp)
+        if st.st_mode & stat.S_ISVTX or (st.st_uid == os.geteuid() and not st.st_mode & 0o022):
+            base = tmp
+        else:
+            log.warning("no private place for the internal socket; using %s", socket_dir)
     d = tempfile.mkdtemp(prefix=".kvseal-", dir=base)
     st = os.lstat(d)
     if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:  # pragma: no cover
