@@ -187,7 +187,7 @@ def compile_kernels(
 
     if use_cache:
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # code we will run
             fd, tmp = tempfile.mkstemp(prefix=".kernels-", dir=directory)
             with os.fdopen(fd, "wb") as f:
                 f.write(image)
