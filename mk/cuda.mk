@@ -29,13 +29,16 @@ kernels-nvrtc-deps: venv
 # Everything the device check needs beyond the device image's torch and cuda-python
 # (pip download also fetches dependencies). protobuf/grpcio: installed only when the
 # image's are older than kvseal's generated stubs need.
-DEVICE_WHEELS := cryptography==50.0.2 cryptography-vectors==50.0.2 protobuf==7.36.2 grpcio==1.85.3 \
+DEVICE_WHEELS := cryptography==50.0.2 protobuf==7.36.2 grpcio==1.85.3 \
     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 prometheus-client==0.26.0 \
     pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
-# The device image's python version is unknown: fetch wheels for each candidate
-# (device_check.sh prints `python3 --version` first; trim the list once known).
-DEVICE_PYS ?= 3.10 3.11 3.12 3.13
+# The lent H200's image (the workplace's device notes, 2026-11): python3 3.12.3,
+# torch 2.11 cu130, cuda-bindings and nvidia-cuda-nvrtc, driver 580 (CUDA 13).
+# device_check.sh prints the versions it finds first; fetch for others with
+# `make device-wheels DEVICE_PYS="3.11 3.12"`. The run tool carries at most
+# 64 MiB: name `wheels` in its carry list.
+DEVICE_PYS ?= 3.12
 
 .PHONY: device-wheels
 

@@ -35,6 +35,8 @@ def emu() -> E.Emulator:
 
 
 def _gcm_vectors(name: str) -> list[dict[str, str]]:
+    # CI always has the vectors; the device check leaves the 56 MB wheel behind.
+    pytest.importorskip("cryptography_vectors", reason="cryptography-vectors not installed")
     root = resources.files("cryptography_vectors") / "ciphers" / "AES" / "GCM" / name
     vectors: list[dict[str, str]] = []
     header: dict[str, str] = {}
