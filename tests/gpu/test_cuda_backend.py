@@ -400,3 +400,28 @@ def test_daemon_waits_for_the_engine_stream(daemon: tuple[DaemonProc, Path]) -> 
         _restore(d, pool_id, [h], [1], handle)
         eng.stream.synchronize()
         assert eng.bytes_of(1) == bytes([value]) * (LAYERS * 2 * TOKENS * HEADS * DIM * 2), i
+
+
+def test_operator_selftest_against_cuda_daemon(daemon: tuple[DaemonProc, Path]) -> None:
+    """`kvseal selftest` on a GPU node: torch CUDA tensors over CUDA IPC, real geometry."""
+    import subprocess
+    import sys
+
+    d, _ = daemon
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvseal.client.cli",
+            "--socket",
+            d.socket,
+            "selftest",
+            "--blocks",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "every byte identical" in r.stdout and r.stdout.strip().endswith("PASS")

@@ -16,12 +16,13 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from google.protobuf.json_format import MessageToDict
 from kvseal.client.client import ClientConfig, KVSealClient, KVSealRpcError, default_target
 from kvseal.client.hashing import chain_block_hashes, tenant_digest
 from kvseal.client.shm import LAYOUTS, KVShape, SharedKVPool
+from kvseal.v1 import kvseal_pb2 as pb
 
 EXIT_OK, EXIT_FAIL, EXIT_UNREACHABLE = 0, 1, 2
 
@@ -70,77 +71,142 @@ def cmd_selftest(args: argparse.Namespace) -> int:
         head_dim=args.head_dim,
         dtype=args.dtype,
     )
-    n = args.blocks
-    with (
-        _client(args) as c,
-        SharedKVPool(shape, args.layout, name_prefix="kvseal-selftest") as pool,
-    ):
+    with _client(args) as c:
         try:
-            c.health()
+            backend = c.stats().backend
         except KVSealRpcError as e:
             print(f"UNREACHABLE: {e}", file=sys.stderr)
             return EXIT_UNREACHABLE
-        originals = [os.urandom(shape.block_bytes) for _ in range(n)]
-        for page, data in enumerate(originals):
-            pool.write_block(page, data)
-        tokens = [secrets.randbelow(150_000) for _ in range(n * shape.tokens_per_page)]
-        salt = secrets.token_bytes(16)  # a private tenant: touches no one else's blocks
-        tenant = tenant_digest(salt)
-        hashes = chain_block_hashes(tokens, shape.tokens_per_page, cache_salt=salt)
-        pages = list(range(n))
-        handle = None
-        try:
-            handle = c.register_pool(f"selftest-{os.getpid()}", b"kvseal-selftest", pool.geometry())
-            t0 = time.perf_counter()
-            off = c.offload(handle.pool_id, tenant, hashes, pages)
-            t_off = time.perf_counter() - t0
-            hit = c.lookup(handle.pool_id, tenant, hashes).hit_blocks
-            for p in pages:
-                pool.fill_page(p, 0xA5)
-            t0 = time.perf_counter()
-            res = c.restore(handle.pool_id, tenant, hashes, pages)
-            t_res = time.perf_counter() - t0
-            bad = [p for p in pages if pool.read_block(p) != originals[p]]
-            c.drop(handle.pool_id, tenant, all_of_tenant=True)
-        except KVSealRpcError as e:
-            print(f"FAIL: {e}", file=sys.stderr)
-            return EXIT_FAIL
-        finally:
-            if handle is not None:
-                try:
-                    c.unregister_pool(handle.pool_id)
-                except KVSealRpcError:
-                    pass
-        total = n * shape.block_bytes
-        rows = [
-            ("layout", args.layout),
-            (
-                "block bytes",
-                f"{shape.block_bytes} ({args.layers} layers x K,V x {args.tokens_per_page} "
-                f"tokens x {args.kv_heads} heads x {args.head_dim} x {args.dtype})",
-            ),
-            ("blocks", f"{n} ({total / 2**20:.1f} MiB)"),
-            (
-                "offload",
-                f"{off.stored_blocks} stored in {t_off * 1e3:.1f} ms "
-                f"= {total / t_off / 1e9:.2f} GB/s",
-            ),
-            ("lookup", f"{hit}/{n} blocks hit"),
-            (
-                "restore",
-                f"{res.restored_blocks} restored in {t_res * 1e3:.1f} ms "
-                f"= {total / t_res / 1e9:.2f} GB/s",
-            ),
-            (
-                "verify",
-                "every byte identical" if not bad else f"{len(bad)} block(s) differ: {bad[:8]}",
-            ),
+        if backend == pb.BACKEND_CUDA:
+            return _selftest_cuda(c, args, shape)
+        with SharedKVPool(shape, args.layout, name_prefix="kvseal-selftest") as pool:
+            originals = [os.urandom(shape.block_bytes) for _ in range(shape.num_pages)]
+            for page, data in enumerate(originals):
+                pool.write_block(page, data)
+
+            def poison() -> None:
+                for p in range(shape.num_pages):
+                    pool.fill_page(p, 0xA5)
+
+            def mismatched() -> list[int]:
+                return [p for p in range(shape.num_pages) if pool.read_block(p) != originals[p]]
+
+            return _round_trip(c, args, shape, pool.geometry(), poison, mismatched)
+
+
+def _selftest_cuda(c: KVSealClient, args: argparse.Namespace, shape: KVShape) -> int:
+    """The same round trip against a CUDA daemon, with a pool of torch CUDA
+    tensors exported over CUDA IPC (needs torch with CUDA on this node)."""
+    try:
+        import torch  # noqa: PLC0415 - optional for the client
+        from kvseal.client.torch_pool import geometry_from_tensors  # noqa: PLC0415
+    except ImportError:
+        print("FAIL: the daemon runs the CUDA backend: selftest needs torch", file=sys.stderr)
+        return EXIT_FAIL
+    if not torch.cuda.is_available():
+        print("FAIL: the daemon runs the CUDA backend but torch sees no GPU", file=sys.stderr)
+        return EXIT_FAIL
+    if args.layout != "vllm_per_layer":
+        print("FAIL: on the CUDA backend selftest uses the vllm_per_layer layout", file=sys.stderr)
+        return EXIT_FAIL
+    dtype = getattr(torch, shape.dtype)
+    dims = (2, shape.num_pages, shape.tokens_per_page, shape.num_kv_heads, shape.head_dim)
+    layers = [torch.empty(dims, dtype=dtype, device="cuda") for _ in range(shape.num_layers)]
+    for t in layers:
+        t.view(torch.uint8).random_(0, 256)
+    originals = [t.clone() for t in layers]
+    torch.cuda.synchronize()
+    geometry = geometry_from_tensors(
+        layers,
+        1,
+        layout_name="L,KV,T,H,D",
+        tokens_per_page=shape.tokens_per_page,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+    )
+
+    def poison() -> None:
+        for t in layers:
+            t.view(torch.uint8).fill_(0xA5)
+        torch.cuda.synchronize()
+
+    def mismatched() -> list[int]:
+        torch.cuda.synchronize()
+        return [
+            p
+            for p in range(shape.num_pages)
+            if not all(
+                torch.equal(t[:, p], o[:, p]) for t, o in zip(layers, originals, strict=True)
+            )
         ]
-        for k, v in rows:
-            print(f"{k:<12} {v}")
-        ok = not bad and hit == n and off.stored_blocks == n and res.restored_blocks == n
-        print("PASS" if ok else "FAIL")
-        return EXIT_OK if ok else EXIT_FAIL
+
+    return _round_trip(c, args, shape, geometry, poison, mismatched)
+
+
+def _round_trip(
+    c: KVSealClient,
+    args: argparse.Namespace,
+    shape: KVShape,
+    geometry: pb.PoolGeometry,
+    poison: Callable[[], None],
+    mismatched: Callable[[], list[int]],
+) -> int:
+    """Offload every page, poison the pool, restore, compare; print a table."""
+    n = shape.num_pages
+    tokens = [secrets.randbelow(150_000) for _ in range(n * shape.tokens_per_page)]
+    salt = secrets.token_bytes(16)  # a private tenant: touches no one else's blocks
+    tenant = tenant_digest(salt)
+    hashes = chain_block_hashes(tokens, shape.tokens_per_page, cache_salt=salt)
+    pages = list(range(n))
+    handle = None
+    try:
+        handle = c.register_pool(f"selftest-{os.getpid()}", b"kvseal-selftest", geometry)
+        t0 = time.perf_counter()
+        off = c.offload(handle.pool_id, tenant, hashes, pages)
+        t_off = time.perf_counter() - t0
+        hit = c.lookup(handle.pool_id, tenant, hashes).hit_blocks
+        poison()
+        t0 = time.perf_counter()
+        res = c.restore(handle.pool_id, tenant, hashes, pages)
+        t_res = time.perf_counter() - t0
+        bad = mismatched()
+        c.drop(handle.pool_id, tenant, all_of_tenant=True)
+    except KVSealRpcError as e:
+        print(f"FAIL: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    finally:
+        if handle is not None:
+            try:
+                c.unregister_pool(handle.pool_id)
+            except KVSealRpcError:
+                pass
+    total = n * shape.block_bytes
+    rows = [
+        ("layout", args.layout),
+        (
+            "block bytes",
+            f"{shape.block_bytes} ({args.layers} layers x K,V x {args.tokens_per_page} "
+            f"tokens x {args.kv_heads} heads x {args.head_dim} x {args.dtype})",
+        ),
+        ("blocks", f"{n} ({total / 2**20:.1f} MiB)"),
+        (
+            "offload",
+            f"{off.stored_blocks} stored in {t_off * 1e3:.1f} ms = {total / t_off / 1e9:.2f} GB/s",
+        ),
+        ("lookup", f"{hit}/{n} blocks hit"),
+        (
+            "restore",
+            f"{res.restored_blocks} restored in {t_res * 1e3:.1f} ms "
+            f"= {total / t_res / 1e9:.2f} GB/s",
+        ),
+        ("verify", "every byte identical" if not bad else f"{len(bad)} block(s) differ: {bad[:8]}"),
+    ]
+    for k, v in rows:
+        print(f"{k:<12} {v}")
+    ok = not bad and hit == n and off.stored_blocks == n and res.restored_blocks == n
+    print("PASS" if ok else "FAIL")
+    return EXIT_OK if ok else EXIT_FAIL
 
 
 def build_parser() -> argparse.ArgumentParser:
