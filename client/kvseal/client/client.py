@@ -23,9 +23,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from kvseal.v1 import kvseal_pb2 as pb
@@ -33,6 +33,7 @@ from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvseal.client")
 ERROR_METADATA_KEY = "kvseal-error"
+T = TypeVar("T")
 _IDEMPOTENT = ("Lookup", "Touch", "Stats")
 
 
@@ -434,18 +435,27 @@ class EnginePool:
             self._handle = h
         return h
 
-    def lookup(self, tenant: bytes, block_hashes: Sequence[bytes]) -> int:
-        """Number of leading blocks cached (0 on any failure)."""
+    def _guarded(self, call: Callable[[PoolHandle], T], default: T) -> T:
+        """Run ``call`` with the pool handle; any RPC failure degrades to
+        ``default`` (and feeds the back-off / re-registration logic)."""
         h = self._ensure()
-        if h is None or not block_hashes:
-            return 0
+        if h is None:
+            return default
         try:
-            n = self.client.lookup(h.pool_id, tenant, block_hashes).hit_blocks
+            result = call(h)
         except KVSealRpcError as e:
             self._failed(e)
-            return 0
+            return default
         self._ok()
-        return n
+        return result
+
+    def lookup(self, tenant: bytes, block_hashes: Sequence[bytes]) -> int:
+        """Number of leading blocks cached (0 on any failure)."""
+        if not block_hashes:
+            return 0
+        return self._guarded(
+            lambda h: self.client.lookup(h.pool_id, tenant, block_hashes).hit_blocks, 0
+        )
 
     def offload(
         self,
@@ -455,16 +465,14 @@ class EnginePool:
         parent_hash: bytes | None = None,
     ) -> bool:
         """Seal and store the pages; False means dropped (nothing to undo)."""
-        h = self._ensure()
-        if h is None or not block_hashes:
+        if not block_hashes:
             return False
-        try:
+
+        def call(h: PoolHandle) -> bool:
             self.client.offload(h.pool_id, tenant, block_hashes, page_ids, parent_hash)
-        except KVSealRpcError as e:
-            self._failed(e)
-            return False
-        self._ok()
-        return True
+            return True
+
+        return self._guarded(call, False)
 
     def restore(
         self,
@@ -475,13 +483,11 @@ class EnginePool:
     ) -> bool:
         """True: every destination page now holds its block. False: none was
         written (integrity failure, miss, daemon down): recompute them."""
-        h = self._ensure()
-        if h is None or not block_hashes:
+        if not block_hashes:
             return False
-        try:
+
+        def call(h: PoolHandle) -> bool:
             self.client.restore(h.pool_id, tenant, block_hashes, page_ids, release)
-        except KVSealRpcError as e:
-            self._failed(e)
-            return False
-        self._ok()
-        return True
+            return True
+
+        return self._guarded(call, False)

@@ -173,8 +173,8 @@ class SealedCache:
                 f"got {len(tenant)} bytes"
             )
 
-    def _check_hashes(self, hashes: Sequence[bytes], *, allow_empty: bool = False) -> None:
-        if not hashes and not allow_empty:
+    def _check_hashes(self, hashes: Sequence[bytes]) -> None:
+        if not hashes:
             raise BadRequest("block_hashes is empty")
         if len(hashes) > self.config.max_batch_blocks:
             raise BadRequest(
