@@ -11,7 +11,8 @@ KERNELS_NVRTC_PKGS := cuda-bindings==13.0.3 nvidia-cuda-nvrtc==13.0.88
 
 ## Emulated kernels vs AESGCM + NIST vectors, NVRTC/nvcc compile checks (skip what is absent).
 kernels-check: venv
-	$(PY) -m pytest tests/test_gpu_kernels_emulated.py tests/test_gpu_kernels_compile.py -q
+	$(PY) -m pytest tests/test_gpu_kernels_emulated.py tests/test_gpu_kernels_compile.py \
+	    tests/test_gpu_kernels_threaded.py -q
 
 ## nvcc object + register/spill report for KERNELS_ARCH (needs nvcc, not a GPU).
 kernels-nvcc:
@@ -27,26 +28,33 @@ kernels-nvrtc-deps: venv
 # GPU runs (need an NVIDIA GPU): benchmark and the one-shot device check.
 
 # Everything the device check needs beyond the device image's torch and cuda-python
-# (pip download also fetches dependencies). protobuf/grpcio: installed only when the
+# (pip download also fetches dependencies), at the versions requirements-dev.txt pins.
+# device_check.sh installs only what the image lacks, plus protobuf/grpcio when the
 # image's are older than kvseal's generated stubs need.
 DEVICE_WHEELS := cryptography==50.0.2 protobuf==7.36.2 grpcio==1.85.3 \
     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 prometheus-client==0.26.0 \
     pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
 # The lent H200's image (the workplace's device notes, 2026-11): python3 3.12.3,
-# torch 2.11 cu130, cuda-bindings and nvidia-cuda-nvrtc, driver 580 (CUDA 13).
-# device_check.sh prints the versions it finds first; fetch for others with
-# `make device-wheels DEVICE_PYS="3.11 3.12"`. The run tool carries at most
+# torch 2.11 cu130, cuda-bindings and nvidia-cuda-nvrtc, driver 580 (CUDA 13), x86_64
+# glibc Linux. device_check.sh prints the versions it finds first; fetch for others
+# with `make device-wheels DEVICE_PYS="3.11 3.12"`. The run tool carries at most
 # 64 MiB: name `wheels` in its carry list.
 DEVICE_PYS ?= 3.12
+# Binary wheels for the device's interpreter and platform, whatever this machine is:
+# the same files on every download, and never an sdist that would need a compiler
+# (or network) there.
+DEVICE_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_34_x86_64 manylinux_2_17_x86_64 \
+    manylinux2014_x86_64
 
 .PHONY: device-wheels
 
-## GPU benchmark: kernels, sealed vs plaintext DMA, classic CC path, restore latency.
+## GPU benchmark: kernels, sealed vs plaintext DMA, classic CC path, latency, launches.
 bench-gpu: venv
 	$(PY) bench/bench_gpu.py $(ARGS)
 
-## One script for a GPU machine without network (system python3; see scripts/device_check.sh).
+## One script for a GPU machine without network (system python3). On the device run
+## `bash scripts/device_check.sh` directly: its image may have no make.
 device-check:
 	bash scripts/device_check.sh
 
@@ -55,5 +63,6 @@ device-wheels: venv
 	mkdir -p wheels
 	for v in $(DEVICE_PYS); do \
 	    $(PY) -m pip download --quiet --only-binary=:all: --python-version $$v \
+	        --implementation cp $(addprefix --platform ,$(DEVICE_PLATFORMS)) \
 	        -d wheels $(DEVICE_WHEELS) || exit 1; \
 	done

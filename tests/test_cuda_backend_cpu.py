@@ -19,6 +19,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from kvseal.server.cuda.backend import (
     staging_layout,
 )
 from kvseal.server.cuda.region import CudaHostRegion
-from kvseal.server.errors import BadRequest, HandleUnusable
+from kvseal.server.errors import BadRequest, EngineNotReady, HandleUnusable, ShuttingDown
 from kvseal.server.hostregion import Extent, align_up
 from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec
 from kvseal.server.sealing import BlockAD, BlockSealer, SealingError, _Epoch
@@ -519,10 +520,18 @@ def test_map_pool_dedupes_handles_and_checks_sizes(
     with pytest.raises(HandleUnusable, match="CUDA allocation has"):
         backend.map_pool(bad)
     assert dev.open_ipc_mappings == 0
-    # Another GPU's buffer.
-    other = (BufferSpec(None, r.handles[0], 0, len(r.bufs[0]), 1), g.buffers[1])
-    with pytest.raises(HandleUnusable, match="one kvseal per GPU"):
+    # The engine's device index is its own numbering (CUDA_VISIBLE_DEVICES): advisory.
+    renum = (BufferSpec(None, r.handles[0], 0, len(r.bufs[0]), 3), g.buffers[1])
+    backend.map_pool(
+        PoolSpec("y", b"m", Geometry(**{**_fields(g), "buffers": renum}), "cuda")
+    ).close()
+    assert dev.open_ipc_mappings == 0
+    # Memory that really lives on another GPU is refused after the open, and unmapped.
+    far = bytearray(4096)
+    other = (BufferSpec(None, dev.export(far, gpu=1), 0, len(far), 0), g.buffers[1])
+    with pytest.raises(HandleUnusable, match=r"on GPU 1 .* one kvseal per GPU"):
         backend.map_pool(PoolSpec("y", b"m", Geometry(**{**_fields(g), "buffers": other}), "cuda"))
+    assert dev.open_ipc_mappings == 0
     # A handle the driver cannot open.
     unknown = (BufferSpec(None, b"\x01" * 64, 0, 10, 0), g.buffers[1])
     with pytest.raises(HandleUnusable, match="expandable_segments:False"):
@@ -568,6 +577,142 @@ def test_bad_event_handle_is_a_bad_request(
         backend.seal_blocks(pool, r.blocks([0]), region, wait_event=b"short")
     recs = backend.seal_blocks(pool, r.blocks([0]), region, wait_event=b"\x00" * 64)
     assert backend.open_blocks(pool, r.blocks([0]), recs, region, wait_event=b"\x00" * 64) == []
+
+
+def test_stuck_engine_event_times_out_without_blocking_other_requests(
+    emu: E.Emulator,
+) -> None:
+    """An engine event that never completes: that request fails with EngineNotReady
+    (DEADLINE_EXCEEDED) having drawn no nonce and touched nothing, every opened event
+    is destroyed, and meanwhile other requests are served (the wait holds no lock)."""
+    dev = EmulatedDevice()
+    sealer = DeviceSealer()
+    backend = CudaBackend(sealer, 0, dev=dev, cc="off", engine_event_timeout=0.2)
+    try:
+        r = Rig(backend, dev)
+        region = backend.make_region(1 << 20, None)
+        pool = backend.map_pool(r.spec())
+        recs = backend.seal_blocks(pool, r.blocks([0]), region)
+        stuck = b"\xee" * 64
+        dev.pending_events.add(stuck)
+        drawn = sealer._current.counter
+        with pytest.raises(EngineNotReady, match=r"did not complete within 0\.2 s"):
+            backend.seal_blocks(pool, r.blocks([1], first_slot=1), region, wait_event=stuck)
+        assert sealer._current.counter == drawn  # no nonce drawn (not merely burnt)
+        r.poison(0)
+        poisoned = r.read(0)
+        with pytest.raises(EngineNotReady):
+            backend.open_blocks(pool, r.blocks([0]), recs, region, wait_event=stuck)
+        assert r.read(0) == poisoned  # nothing written
+        assert dev.events_opened == dev.events_destroyed == 2
+
+        # A long wait in one thread does not hold up another request.
+        backend.engine_event_timeout = 30.0
+        result: list[object] = []
+
+        def waiter() -> None:
+            try:
+                result.append(backend.seal_blocks(pool, r.blocks([2], first_slot=2), region, stuck))
+            except Exception as e:
+                result.append(e)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        try:
+            while dev.events_opened < 3:  # the waiter is in its poll now
+                t.join(0.001)
+            assert backend.open_blocks(pool, r.blocks([0]), recs, region) == []
+            assert t.is_alive() and not result  # still waiting on the engine event
+        finally:
+            dev.pending_events.clear()  # the engine's stream gets going again
+            t.join(10)
+        assert len(result) == 1 and isinstance(result[0], list) and len(result[0]) == 1
+        assert dev.events_opened == dev.events_destroyed == 3
+        # Stopping (an integrity abort elsewhere) ends a wait at once.
+        dev.pending_events.add(stuck)
+        backend.stopping.set()
+        with pytest.raises(ShuttingDown):
+            backend.open_blocks(pool, r.blocks([0]), recs, region, wait_event=stuck)
+    finally:
+        backend.close()
+
+
+def test_engine_object_errors_never_disable_the_backend(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A garbage or dead engine's handle may make the driver return anything (even a
+    code that is sticky for our own work): that request fails, the daemon serves on."""
+    backend, dev, _sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    recs = backend.seal_blocks(pool, r.blocks([0]), region)
+
+    def unknown(*a: object) -> object:
+        raise CudaError("CUDA_ERROR_UNKNOWN (999)", 999)
+
+    for what in ("open_ipc_event", "query_event"):
+        monkeypatch.setattr(dev, what, unknown)
+        with pytest.raises(HandleUnusable):
+            backend.open_blocks(pool, r.blocks([0]), recs, region, wait_event=b"\x01" * 64)
+        monkeypatch.undo()
+    fresh = [bytearray(len(b)) for b in r.bufs]  # handles not mapped yet
+    handles = [dev.export(b) for b in fresh]
+    monkeypatch.setattr(dev, "open_ipc_mem", unknown)
+    with pytest.raises(HandleUnusable):
+        backend.map_pool(r.spec("other", handles))
+    monkeypatch.undo()
+    assert backend.open_blocks(pool, r.blocks([0]), recs, region, wait_event=b"\x01" * 64) == []
+    assert dev.events_opened == dev.events_destroyed
+
+
+def test_failed_request_drains_both_streams_before_the_lock_is_released(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Work queued before a failure is waited for (a stale kernel must not read the
+    next request's descriptors); if the streams cannot be drained, the backend
+    refuses further work."""
+    backend, dev, _sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    recs = backend.seal_blocks(pool, r.blocks([0, 1]), region)
+    real_launch = dev.launch
+
+    def fail_open(kernel: str, *a: object, **k: object) -> None:
+        if kernel == "kvseal_open":
+            raise CudaError("cuLaunchKernel(kvseal_open) failed: CUDA_ERROR_INVALID_VALUE (1)", 1)
+        real_launch(kernel, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dev, "launch", fail_open)
+    before = dev.syncs
+    with pytest.raises(CudaError, match="INVALID_VALUE"):
+        backend.open_blocks(pool, r.blocks([0, 1]), recs, region)
+    assert dev.syncs - before == 2  # compute and copy streams, on the error path
+    monkeypatch.setattr(dev, "launch", real_launch)
+    assert backend.open_blocks(pool, r.blocks([0, 1]), recs, region) == []  # not sticky
+
+    def broken_sync(stream: object) -> None:
+        raise CudaError("cuStreamSynchronize failed: CUDA_ERROR_INVALID_VALUE (1)", 1)
+
+    monkeypatch.setattr(dev, "launch", fail_open)
+    monkeypatch.setattr(dev, "sync", broken_sync)
+    with pytest.raises(CudaError):
+        backend.open_blocks(pool, r.blocks([0, 1]), recs, region)
+    monkeypatch.undo()
+    with pytest.raises(CudaError, match=r"streams could not be drained.*restart kvseal-server"):
+        backend.seal_blocks(pool, r.blocks([2], first_slot=2), region)
+
+
+def test_raw_key_passes_only_through_a_pinned_buffer_that_is_wiped(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    backend, dev, _sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    staged = backend._key_host
+    assert staged in dev._mem  # allocated with host_alloc (pinned on a GPU)
+    backend.seal_blocks(pool, r.blocks([0]), region)  # derives epoch 0's context
+    assert ctypes.string_at(staged, 32) == bytes(32)
+    assert ctypes.string_at(backend._key_dev, 32) == bytes(32)  # the device copy too
 
 
 # --------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ BIN = Path(sys.executable).parent
 @pytest.mark.parametrize(
     "cmd",
     [
-        ["ruff", "check", "client", "server", "tests", "bench"],
-        ["ruff", "format", "--check", "client", "server", "tests", "bench"],
+        ["ruff", "check", "client", "server", "tests", "bench", "scripts"],
+        ["ruff", "format", "--check", "client", "server", "tests", "bench", "scripts"],
         ["mypy"],
     ],
     ids=["ruff-check", "ruff-format", "mypy"],

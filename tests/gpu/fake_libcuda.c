@@ -108,6 +108,14 @@ CUresult cuStreamWaitEvent(void* s, void* e, unsigned flags) {
     need_ctx("wait"); need_stream("cuStreamWaitEvent", s); need_event("cuStreamWaitEvent", e);
     if (flags) FAIL("cuStreamWaitEvent flags %u", flags); return 0;
 }
+// An engine's event (opened from an IPC handle, flags 6) reports "not ready" twice
+// before it completes, so the polling path runs through the real bindings.
+static int ipc_event_polls;
+CUresult cuEventQuery(void* e) {
+    need_ctx("cuEventQuery"); need_event("cuEventQuery", e);
+    if (((struct Obj*)e)->flags == 6 && ipc_event_polls++ % 3 != 2) return 600;
+    return 0;
+}
 CUresult cuIpcOpenEventHandle(void** e, CUipcEventHandle h) {
     need_ctx("cuIpcOpenEventHandle");
     if (memcmp(h.reserved, "FAKEEVT!", 8)) return 1;
@@ -188,6 +196,13 @@ CUresult cuIpcOpenMemHandle(CUdeviceptr* p, CUipcMemHandle h, unsigned flags) {
     if (!a || a->base != b) return 1;
     for (int i = 0; i < nallocs; i++) if (allocs[i].live && allocs[i].kind == K_IPC && allocs[i].base == b) return 208;
     add(b, a->size, K_IPC, 0); *p = b; return 0;
+}
+// Only the attribute kvseal asks for: which GPU holds an IPC mapping (always 0 here).
+CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr p) {
+    need_ctx("cuPointerGetAttribute");
+    if (attribute != 9) FAIL("cuPointerGetAttribute attribute %d", attribute);
+    if (!find(p, 1, DEVMASK)) return 1;
+    *(int*)data = 0; return 0;
 }
 CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
     struct Alloc* a = find(p, 1, 1 << K_IPC);
@@ -290,7 +305,7 @@ static struct Entry table[] = {
     E(cuInit), E(cuDriverGetVersion), E(cuDeviceGetCount), E(cuDeviceGet), E(cuDeviceGetName), E(cuDeviceGetAttribute),
     E(cuDevicePrimaryCtxRetain), E(cuDevicePrimaryCtxRelease), E(cuCtxSetCurrent), E(cuCtxGetCurrent),
     E(cuStreamCreate), E(cuStreamDestroy), E(cuStreamSynchronize), E(cuEventCreate), E(cuEventDestroy),
-    E(cuEventRecord), E(cuEventSynchronize), E(cuEventElapsedTime), E(cuStreamWaitEvent), E(cuIpcOpenEventHandle),
+    E(cuEventRecord), E(cuEventSynchronize), E(cuEventQuery), E(cuPointerGetAttribute), E(cuEventElapsedTime), E(cuStreamWaitEvent), E(cuIpcOpenEventHandle),
     E(cuMemAlloc), E(cuMemFree), E(cuMemHostAlloc), E(cuMemFreeHost), E(cuMemHostRegister), E(cuMemHostUnregister),
     E(cuMemHostGetDevicePointer), E(cuMemsetD8Async), E(cuMemcpyHtoDAsync), E(cuMemcpyDtoHAsync),
     E(cuMemGetAddressRange), E(cuIpcOpenMemHandle), E(cuIpcCloseMemHandle), E(cuModuleLoadData), E(cuModuleUnload),

@@ -10,7 +10,10 @@ Two halves:
   the engine (torch CUDA tensors exported over CUDA IPC, interprocess events): round
   trip, host tampering -> DATA_LOSS, and the stream-sync race.
 
-Budget: well under 3 minutes on an H200 once the kernels are in the NVRTC cache.
+Budget: well under 3 minutes on an H200 once the kernels are in the NVRTC cache. The
+device check runs the two halves as two pytest runs (``-k "not daemon"``, then
+``-k daemon``) so that a kernel trap in one cannot poison the other's CUDA context;
+a failing daemon test shows the tail of the daemon's log.
 """
 
 from __future__ import annotations
@@ -20,10 +23,33 @@ import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+# The engine side exports pool tensors over legacy CUDA IPC, which refuses
+# expandable-segment memory: pin the allocator before torch allocates anything. Set,
+# not setdefault: the image may set expandable segments itself. torch >= 2.9 reads
+# PYTORCH_ALLOC_CONF first, older torch only the CUDA name.
+for _var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+    os.environ[_var] = "expandable_segments:False"
 torch = pytest.importorskip("torch")
+
+
+def _pin_allocator() -> None:
+    """If torch's CUDA allocator was initialised before this module (the variable is
+    read then), set it there too: it applies to the segments allocated from now on.
+    Private torch API, so only where it exists (newest name first)."""
+    cuda: Any = getattr(torch, "cuda", None)
+    if cuda is None or not getattr(cuda, "is_initialized", lambda: False)():
+        return
+    setter: Any = getattr(getattr(torch, "_C", None), "_accelerator_setAllocatorSettings", None)
+    setter = setter or getattr(getattr(cuda, "memory", None), "_set_allocator_settings", None)
+    if setter is not None:
+        setter("expandable_segments:False")
+
+
+_pin_allocator()
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 from kvseal.client import KVSealRpcError, tenant_digest  # noqa: E402
@@ -296,6 +322,13 @@ def daemon(tmp_path: Path) -> Iterator[tuple[DaemonProc, Path]]:
     finally:
         d.stop()
         region.unlink(missing_ok=True)
+        # Shown by pytest under "Captured stdout teardown" when the test failed: the
+        # daemon's side of the story (CUDA errors, refused handles) without its file.
+        try:
+            tail = d.log()[-4000:]
+        except OSError as e:
+            tail = f"(no daemon log: {e})"
+        print(f"---- daemon log {d.log_path} (last 4000 chars) ----\n{tail}")
 
 
 def _register(d: DaemonProc, eng: Engine) -> str:
@@ -421,7 +454,7 @@ def test_operator_selftest_against_cuda_daemon(daemon: tuple[DaemonProc, Path]) 
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=60,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every byte identical" in r.stdout and r.stdout.strip().endswith("PASS")

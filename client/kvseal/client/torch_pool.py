@@ -222,7 +222,16 @@ def geometry_from_tensors(
     One ``BufferHandle`` per distinct allocation: its offset/size span exactly the
     bytes the segments touch in that allocation. The engine must keep the tensors
     alive while the pool is registered (the daemon maps their memory).
-    ``dtype`` defaults to the first tensor's (e.g. "bfloat16")."""
+    ``dtype`` defaults to the first tensor's (e.g. "bfloat16").
+
+    Lifetime: torch's ``_share_cuda_()`` marks each exported allocation as shared
+    with another process and, since kvseal does not take part in torch's
+    reference-counting protocol, torch keeps that memory out of its caching
+    allocator until the engine exits, even after the tensors are freed. That is what
+    makes the export safe (a block the daemon still maps is never handed to another
+    tensor), and it costs nothing for a KV pool allocated once per process; an engine
+    that reallocates its KV cache should unregister the pool first and expect the old
+    allocation to stay reserved."""
     return _geometry(
         tensors,
         page_dim,

@@ -53,6 +53,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANDLE_UNUSABLE: _ClassVar[ErrorReason]
     BACKEND_MISMATCH: _ClassVar[ErrorReason]
     SHUTTING_DOWN: _ClassVar[ErrorReason]
+    ENGINE_NOT_READY: _ClassVar[ErrorReason]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_CPU: Backend
 BACKEND_CUDA: Backend
@@ -82,6 +83,7 @@ INTEGRITY_FAILURE: ErrorReason
 HANDLE_UNUSABLE: ErrorReason
 BACKEND_MISMATCH: ErrorReason
 SHUTTING_DOWN: ErrorReason
+ENGINE_NOT_READY: ErrorReason
 
 class BufferHandle(_message.Message):
     __slots__ = ("shm_name", "cuda_ipc_handle", "offset", "size", "device")

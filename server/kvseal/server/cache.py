@@ -464,6 +464,8 @@ class SealedCache:
                 self.pools.remove(pool.pool_id)
             except Exception:  # noqa: S112 - best effort at shutdown
                 continue
-        self.backend.close()
+        # The region first: on the CUDA backend it is pinned/registered host memory
+        # whose release needs the context that backend.close() gives back.
         self.region.close()
+        self.backend.close()
         return True

@@ -87,6 +87,7 @@ class ServerConfig:
     max_watchers: int = 8
     rekey_after: int = 2**32
     grace_seconds: float = 5.0
+    engine_event_timeout: float = 30.0  # cuda: how long an engine's IPC event may stay pending
     log_format: str = "text"
     log_level: str = "INFO"
 
@@ -118,6 +119,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive")
         if self.workers < 0:
             raise ValueError("--workers must be >= 0")
+        if not self.engine_event_timeout > 0:
+            raise ValueError("--engine-event-timeout must be > 0 seconds")
         if self.log_format not in ("text", "json"):
             raise ValueError("--log-format must be text or json")
 

@@ -87,6 +87,14 @@ class ShuttingDown(KVSealError):
     reason = "SHUTTING_DOWN"
 
 
+class EngineNotReady(KVSealError):
+    """The engine's CUDA event (``cuda_event_ipc_handle``) did not complete in time:
+    nothing was read from or written to its pool."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "ENGINE_NOT_READY"
+
+
 class EventsOverflow(KVSealError):
     """A WatchEvents subscriber fell behind; it must resubscribe and resync."""
 

@@ -147,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain RPCs on SIGTERM")
     p.add_argument(
+        "--engine-event-timeout",
+        type=float,
+        default=float(_env("KVSEAL_ENGINE_EVENT_TIMEOUT", "30") or 30),
+        help="cuda: seconds a request waits for the engine's CUDA event before failing "
+        "with DEADLINE_EXCEEDED; nothing is read or written then [KVSEAL_ENGINE_EVENT_TIMEOUT]",
+    )
+    p.add_argument(
         "--log-format",
         choices=("text", "json"),
         default=_env("KVSEAL_LOG_FORMAT", "text"),
@@ -180,6 +187,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         max_batch_bytes=parse_size(args.max_batch_bytes),
         rekey_after=args.rekey_after,
         grace_seconds=args.grace,
+        engine_event_timeout=args.engine_event_timeout,
         log_format=args.log_format,
         log_level=args.log_level.upper(),
     )
@@ -254,7 +262,9 @@ def make_backend(cfg: ServerConfig, sealer: sealing.BlockSealer) -> Backend:
             )
 
             try:
-                return CudaBackend(sealer, cfg.device)
+                return CudaBackend(
+                    sealer, cfg.device, engine_event_timeout=cfg.engine_event_timeout
+                )
             except (BackendUnavailable, CudaError) as e:
                 reason = str(e)
         if cfg.backend == "cuda":

@@ -305,6 +305,12 @@ KVS_HD kvs_u32 kvs_aes_final_col(const T0& t0, kvs_u32 a, kvs_u32 b, kvs_u32 c, 
            k;
 }
 
+// T0 computed on demand, branch-free: for the one-thread key setup, whose lookups
+// are indexed by key bytes and would otherwise hit a table in global memory.
+struct KvsT0Arith {
+    KVS_HD kvs_u32 get(kvs_u32 x) const { return kvs_aes_t0_entry(x); }
+};
+
 // Encrypt one block given as a KvsBlock128 (big-endian words), `rk` the expanded key.
 template <class T0>
 KVS_HD KvsBlock128 kvs_aes256_encrypt(const kvs_u32* rk, const T0& t0, KvsBlock128 in) {
@@ -352,7 +358,7 @@ KVS_HD KvsBlock128 kvs_ctx_hpow_entry(const KvsKeyCtx* ctx, int j, kvs_u32 k) {
 // Single-threaded key setup (the GPU runs it as a one-thread kernel, once per key).
 KVS_HD void kvs_key_setup(const kvs_u8 key[32], KvsKeyCtx* ctx) {
     for (kvs_u32 x = 0; x < 256; ++x) ctx->t0[x] = kvs_aes_t0_entry(x);
-    KvsT0Plain t0 = {ctx->t0};
+    KvsT0Arith t0;  // secret indices: no memory lookups (constant time, no cache trace)
     kvs_aes256_expand(key, t0, ctx->rk);
     KvsBlock128 h = kvs_aes256_encrypt(ctx->rk, t0, kvs_block(0, 0));  // H = E_K(0^128)
     KvsBlock128 base = h;                                              // H^(16^j)
@@ -392,6 +398,18 @@ KVS_HD KvsBlock128 kvs_gcm_counter(const kvs_u8 nonce[12], kvs_u64 i) {
 
 KVS_HD KvsBlock128 kvs_gcm_j0(const kvs_u8 nonce[12]) {
     return kvs_block(kvs_load_be64(nonce), ((kvs_u64)kvs_load_be32(nonce + 8) << 32) | 1u);
+}
+
+// The nonce part of every counter block (low 32 bits zero), loaded once per thread:
+// byte stores through kvs_u8* may alias the nonce, so the compiler cannot hoist the
+// 12 byte loads of kvs_gcm_counter out of a hot loop by itself.
+KVS_HD KvsBlock128 kvs_gcm_counter_base(const kvs_u8 nonce[12]) {
+    return kvs_block(kvs_load_be64(nonce), (kvs_u64)kvs_load_be32(nonce + 8) << 32);
+}
+
+// Counter block i from kvs_gcm_counter_base: equals kvs_gcm_counter(nonce, i).
+KVS_HD KvsBlock128 kvs_gcm_counter_at(KvsBlock128 base, kvs_u64 i) {
+    return kvs_block(base.hi, base.lo | (kvs_u32)(2u + (kvs_u32)i));
 }
 
 // Constant-time equality of the first n (<= 16) bytes: OR of XORs, no early exit.

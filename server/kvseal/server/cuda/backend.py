@@ -9,7 +9,8 @@ Data path of one request (every stage is a constant number of launches/copies,
 whatever the block count):
 
 offload (seal)
-    wait on the engine's IPC event -> ONE H2D of the descriptors (pages, staging
+    poll the engine's IPC event until it completes (host side, before the backend
+    lock; at most ``engine_event_timeout``) -> ONE H2D of the descriptors (pages, staging
     offsets, nonces, AADs) -> per chunk: ``kvseal_seal`` into device staging ->
     per chunk, on the copy stream: DMA staging -> host extents (runs of adjacent
     extents are merged into one copy) -> ONE D2H of the tags -> synchronise.
@@ -19,13 +20,14 @@ offload (seal)
 restore (verify + open)
     ONE H2D of descriptors (also the expected tags) -> per chunk: DMA host
     extents -> device staging (the snapshot: host memory is read exactly once),
-    ``kvseal_verify`` on that chunk -> wait on the engine's event ->
+    ``kvseal_verify`` on that chunk -> poll the engine's event (host side; copies
+    and verification overlap with the engine's remaining work) ->
     ``kvseal_open`` with ``all_or_nothing=1`` over the whole request -> ONE D2H
     of the verdicts -> synchronise (the RPC replies only once the plaintext is in
     the pages).
 
 Keys: :class:`DeviceKeySource` (``BlockSealer``) owns them. The backend asks for the
-32-byte key of an epoch once, into a ctypes buffer it wipes right after a
+32-byte key of an epoch once, into its own pinned buffer, wiped right after a
 synchronous upload; ``kvseal_key_setup`` expands it into a ``KvsKeyCtx`` that lives
 in device memory only, and the raw key's device copy is zeroed on the same stream.
 Contexts of retired epochs are zeroed and freed.
@@ -47,6 +49,7 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -66,7 +69,7 @@ from kvseal.server.cuda.emulated import (
     segment_table,
 )
 from kvseal.server.cuda.region import CudaHostRegion
-from kvseal.server.errors import BadRequest, HandleUnusable, ShuttingDown
+from kvseal.server.errors import BadRequest, EngineNotReady, HandleUnusable, ShuttingDown
 from kvseal.server.pools import MappedPool, PoolSpec
 from kvseal.server.sealing import KEY_BYTES, SealRecord
 
@@ -99,8 +102,15 @@ DEFAULT_MAX_CHUNKS = 4
 DEFAULT_MIN_CHUNK_BYTES = 16 << 20
 _WS_BYTES = ctypes.sizeof(KvsBlockWs)
 _KEYCTX_BYTES = ctypes.sizeof(KvsKeyCtx)
+DEFAULT_ENGINE_EVENT_TIMEOUT = 30.0  # seconds an engine's IPC event may stay pending
 # CUresult values after which the context is unusable (sticky errors): restart.
-_STICKY = frozenset({700, 710, 714, 715, 716, 717, 718, 719})
+# 214 ECC uncorrectable, 700 illegal address, 702 launch timeout, 709 context
+# destroyed, 710-719 traps/misaligned/launch failure, 999 unknown (assume the worst).
+_STICKY = frozenset({214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719, 999})
+# CUresult values with a specific hint when an IPC memory handle cannot be opened.
+_CU_INVALID_DEVICE = 101
+_CU_INVALID_CONTEXT = 201
+_CU_ALREADY_MAPPED = 208
 
 
 class CudaError(RuntimeError):
@@ -440,9 +450,17 @@ class Device(Protocol):
 
     def sync(self, stream: Any) -> None: ...
 
+    def query_event(self, event: Any) -> bool:
+        """True once all work captured by the event's last record has completed."""
+        ...
+
     def open_ipc_event(self, handle: bytes) -> Any: ...
 
-    def open_ipc_mem(self, handle: bytes) -> tuple[int, int]: ...
+    def open_ipc_mem(self, handle: bytes) -> tuple[int, int]:
+        """Map an IPC memory handle: (address, bytes from it to the allocation's end).
+        Raises CudaError (code 101) if the memory lives on another GPU; nothing
+        stays mapped then."""
+        ...
 
     def close_ipc_mem(self, ptr: int) -> None: ...
 
@@ -643,6 +661,14 @@ class CudaDevice:
     def sync(self, stream: Any) -> None:
         self._check(self._cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
+    def query_event(self, event: Any) -> bool:
+        (err,) = self._cu.cuEventQuery(event)
+        code = int(err)
+        if code == int(self._cu.CUresult.CUDA_ERROR_NOT_READY):
+            return False
+        self._check((err,), "cuEventQuery")
+        return True
+
     def open_ipc_event(self, handle: bytes) -> Any:
         h = self._cu.CUipcEventHandle()
         h.reserved = handle
@@ -654,6 +680,32 @@ class CudaDevice:
         flags = int(self._cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         ptr = int(self._check(self._cu.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle"))
         try:
+            # Where the memory really lives, in this process's numbering: the engine's
+            # device index may differ (its own CUDA_VISIBLE_DEVICES), and with lazy
+            # peer access another GPU's memory would map fine and run over NVLink.
+            # A driver that cannot answer for IPC memory only costs the check (it
+            # guards performance and clarity, not confidentiality).
+            try:
+                owner = int(
+                    self._check(
+                        self._cu.cuPointerGetAttribute(
+                            self._cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                            ptr,
+                        ),
+                        "cuPointerGetAttribute(DEVICE_ORDINAL)",
+                    )
+                )
+            except CudaError as e:
+                if e.code in _STICKY:
+                    raise
+                log.warning("cannot tell which GPU holds an IPC mapping: %s", e)
+                owner = self.ordinal
+            if owner != self.ordinal:
+                raise CudaError(
+                    f"the memory is on GPU {owner} of this machine, this daemon drives "
+                    f"GPU {self.ordinal}",
+                    _CU_INVALID_DEVICE,
+                )
             base, size = self._check(self._cu.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
         except CudaError:
             self.close_ipc_mem(ptr)
@@ -679,6 +731,11 @@ class CudaDevice:
             self._ctx = None
 
 
+@dataclass(frozen=True, slots=True)
+class _EmulatedIpcEvent:
+    handle: bytes
+
+
 class EmulatedDevice:
     """:class:`Device` in host memory: "device" allocations are ctypes buffers, copies
     are ``memmove``, launches run the g++-built kernel emulator synchronously, events
@@ -687,7 +744,9 @@ class EmulatedDevice:
 
     ``export(buf)`` stands in for ``cudaIpcGetMemHandle``: it returns a 64-byte handle
     that :meth:`open_ipc_mem` maps back to ``buf``'s address. ``refuse_register``
-    makes :meth:`host_register` fail like the CC-mode driver (error 801)."""
+    makes :meth:`host_register` fail like the CC-mode driver (error 801). An IPC
+    event handle listed in ``pending_events`` never completes (an engine whose
+    stream is stuck); ``events_opened``/``events_destroyed`` count event handles."""
 
     name = "emulated (CPU)"
     arch = "emulated"
@@ -699,10 +758,14 @@ class EmulatedDevice:
 
         self._lib: Any = load_emulator()._lib
         self._mem: dict[int, Any] = {}
-        self._exports: dict[bytes, tuple[int, int]] = {}
+        self._exports: dict[bytes, tuple[int, int, int]] = {}  # handle -> ptr, size, gpu
         self._open: dict[int, int] = {}
         self.refuse_register = refuse_register
         self.launches: list[tuple[str, int]] = []  # (kernel, grid) per launch, for tests
+        self.pending_events: set[bytes] = set()
+        self.events_opened = 0
+        self.events_destroyed = 0
+        self.syncs = 0
 
     def make_current(self) -> None:
         pass
@@ -765,7 +828,8 @@ class EmulatedDevice:
         return object()
 
     def destroy_event(self, event: Any) -> None:
-        pass
+        if isinstance(event, _EmulatedIpcEvent):
+            self.events_destroyed += 1
 
     def record(self, event: Any, stream: Any) -> None:
         pass
@@ -774,23 +838,33 @@ class EmulatedDevice:
         pass
 
     def sync(self, stream: Any) -> None:
-        pass
+        self.syncs += 1
+
+    def query_event(self, event: Any) -> bool:
+        return not (isinstance(event, _EmulatedIpcEvent) and event.handle in self.pending_events)
 
     def open_ipc_event(self, handle: bytes) -> Any:
-        return object()
+        self.events_opened += 1
+        return _EmulatedIpcEvent(handle)
 
-    def export(self, buf: Any) -> bytes:
-        """A fake IPC handle for a writable buffer (kept alive by the caller)."""
+    def export(self, buf: Any, *, gpu: int = 0) -> bytes:
+        """A fake IPC handle for a writable buffer (kept alive by the caller), as if
+        the memory lived on GPU ``gpu``."""
         anchor = (ctypes.c_char * len(buf)).from_buffer(buf)
         handle = secrets.token_bytes(IPC_HANDLE_BYTES)
         self._mem[ctypes.addressof(anchor)] = anchor
-        self._exports[handle] = (ctypes.addressof(anchor), len(buf))
+        self._exports[handle] = (ctypes.addressof(anchor), len(buf), gpu)
         return handle
 
     def open_ipc_mem(self, handle: bytes) -> tuple[int, int]:
         if handle not in self._exports:
             raise CudaError("cuIpcOpenMemHandle failed: CUDA_ERROR_INVALID_VALUE (1)", 1)
-        ptr, size = self._exports[handle]
+        ptr, size, gpu = self._exports[handle]
+        if gpu != 0:
+            raise CudaError(
+                f"the memory is on GPU {gpu} of this machine, this daemon drives GPU 0",
+                _CU_INVALID_DEVICE,
+            )
         if ptr in self._open:
             raise CudaError("cuIpcOpenMemHandle failed: CUDA_ERROR_ALREADY_MAPPED (208)", 208)
         self._open[ptr] = 1
@@ -947,7 +1021,17 @@ class CudaBackend:
     :class:`Device` (tests use :class:`EmulatedDevice`). ``seal_mode="mapped"`` makes
     ``kvseal_seal`` write ciphertext straight into mapped pinned host memory (no
     staging, no D2H; off in CC mode, where the region is not mapped), a benchmark
-    alternative to the default ``"dma"``.
+    alternative to the default ``"dma"``. ``engine_event_timeout`` bounds how long a
+    request waits for the engine's IPC event (EngineNotReady after it, nothing
+    written). An offload waits before taking the backend lock; a restore waits
+    after queuing its copies and verification, with the lock held, so a stuck
+    engine stream can delay other requests by at most the timeout, and never
+    blocks the GPU streams (no GPU-side wait on an engine event is ever queued).
+
+    Failure contract: a request that raises after queuing GPU work first waits for
+    all of it (both streams), so no stale copy or kernel can read descriptors or
+    staging that the next request rewrites; a sticky CUDA error, or streams that
+    cannot be drained, mark the backend unusable ("restart kvseal-server").
 
     Device memory it keeps: staging = the largest request's ciphertext (bounded by
     ``--max-batch-bytes``), descriptors, 2,800 B per live key epoch."""
@@ -965,6 +1049,7 @@ class CudaBackend:
         min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
         seal_mode: str = "dma",
         cc: str | None = None,
+        engine_event_timeout: float = DEFAULT_ENGINE_EVENT_TIMEOUT,
     ) -> None:
         if seal_mode not in ("dma", "mapped"):
             raise ValueError("seal_mode must be 'dma' or 'mapped'")
@@ -978,6 +1063,7 @@ class CudaBackend:
         self.max_chunks = max(1, max_chunks)
         self.min_chunk_bytes = min_chunk_bytes
         self.seal_mode = seal_mode
+        self.engine_event_timeout = engine_event_timeout
         self._lock = threading.Lock()
         self._ipc = _IpcCache(self._dev)
         self._keys: dict[int, int] = {}  # epoch -> device KvsKeyCtx
@@ -988,9 +1074,13 @@ class CudaBackend:
         self._desc = _Growable(d.alloc, d.free)
         self._host = _Growable(lambda n: d.host_alloc(n, mapped=False), d.host_free)
         self._key_dev = 0
+        self._key_host = 0
         try:
             d.make_current()
             self._key_dev = d.alloc(KEY_BYTES)
+            # Pinned and ours: a pageable source would pass through the driver's own
+            # staging buffer, which nobody wipes.
+            self._key_host = d.host_alloc(KEY_BYTES, mapped=False)
         except BaseException:
             self.close()
             raise
@@ -1018,10 +1108,51 @@ class CudaBackend:
             self._broken = str(e)
             log.critical("CUDA context lost: %s; kvseal must be restarted", e)
 
+    def _failed(self, e: BaseException) -> None:
+        """After a request raised (lock held): note sticky errors, then wait for
+        everything it queued. Descriptors and staging are reused by the next request,
+        and a stale kernel reading a rewritten descriptor area could seal old pages
+        under new nonces."""
+        if isinstance(e, CudaError):
+            self._note(e)
+        for stream in (self._dev.compute_stream, self._dev.copy_stream):
+            try:
+                self._dev.sync(stream)
+            except CudaError as err:
+                self._note(err)
+                if self._broken is None:
+                    self._broken = f"streams could not be drained after an error: {err}"
+                    log.critical("CUDA streams not drained: %s; kvseal must be restarted", err)
+
     def _event(self, i: int) -> Any:
         while len(self._events) <= i:
             self._events.append(self._dev.new_event())
         return self._events[i]
+
+    def _batch(
+        self,
+        key: int,
+        pool: CudaMappedPool,
+        desc: int,
+        lay: RequestLayout,
+        staging: int,
+        start: int,
+        stop: int,
+        *,
+        all_or_nothing: bool = False,
+    ) -> KvsBatch:
+        """The descriptor of one launch over blocks [start, stop) of the request."""
+        return chunk_batch(
+            key=key,
+            pool=pool.desc,
+            desc=desc,
+            lay=lay,
+            staging=staging,
+            start=start,
+            stop=stop,
+            config=self.config,
+            all_or_nothing=all_or_nothing,
+        )
 
     def _launch(self, kernel: str, batch: KvsBatch, stream: Any) -> None:
         check_batch(batch)
@@ -1053,7 +1184,7 @@ class CudaBackend:
             return ctx
         d, s = self._dev, self._dev.compute_stream
         ctx = d.alloc(_KEYCTX_BYTES)
-        key = (ctypes.c_char * KEY_BYTES)()
+        key = (ctypes.c_char * KEY_BYTES).from_address(self._key_host)
         try:
             try:
                 self._sealer.export_key_to(epoch, key)
@@ -1066,9 +1197,11 @@ class CudaBackend:
                     s,
                 )
             finally:
-                d.memset_async(self._key_dev, KEY_BYTES, s)  # ordered after the setup kernel
-                d.sync(s)
-                ctypes.memset(key, 0, KEY_BYTES)
+                try:
+                    d.memset_async(self._key_dev, KEY_BYTES, s)  # ordered after the setup
+                    d.sync(s)
+                finally:
+                    ctypes.memset(key, 0, KEY_BYTES)  # also when the wipe above failed
         except BaseException:
             d.free(ctx)
             raise
@@ -1076,20 +1209,68 @@ class CudaBackend:
         return ctx
 
     def _open_event(self, handle: bytes | None) -> Any:
+        """Open the engine's IPC event (``None`` without a handle); the caller waits
+        for it with :meth:`_await_event` and destroys it with :meth:`_close_event`.
+
+        Errors on engine-supplied objects (this open, queries, destroy) are never
+        treated as sticky: a garbage handle or a dead engine must not take the
+        daemon down for everyone; a real context loss shows again on our own work."""
         if not handle:
             return None
         if len(handle) != IPC_HANDLE_BYTES:
             raise BadRequest(
                 f"cuda_event_ipc_handle must be {IPC_HANDLE_BYTES} bytes, got {len(handle)}"
             )
+        self._enter()  # raises if the context is unusable; makes it current
         try:
-            return self._dev.open_ipc_event(handle)
+            event = self._dev.open_ipc_event(handle)
         except CudaError as e:
             raise HandleUnusable(
                 f"cannot open cuda_event_ipc_handle ({e}): it must come from "
                 "torch.cuda.Event(interprocess=True).ipc_handle() of a live engine process "
                 f"on GPU {self.device}"
             ) from e
+        return event
+
+    def _await_event(self, event: Any) -> None:
+        """Poll the engine's event until it has completed, at most
+        ``engine_event_timeout`` seconds (EngineNotReady), or until the backend stops
+        serving (ShuttingDown). Host-side only: a GPU-side ``cuStreamWaitEvent`` on
+        an event that never completes would block the shared streams, and hence every
+        later request, with no way out; and once the host has seen the event complete,
+        everything queued afterwards is ordered after the engine's work anyway (a
+        GPU-side wait could even catch a *later* re-record of the same event)."""
+        if event is None:
+            return
+        deadline = time.monotonic() + self.engine_event_timeout
+        delay = 0.0
+        while True:
+            try:
+                if self._dev.query_event(event):
+                    return
+            except CudaError as e:  # the engine's object: its failure is not sticky
+                raise HandleUnusable(
+                    f"cannot query the engine's CUDA event ({e}); is the engine alive?"
+                ) from e
+            if self.stopping.is_set():
+                raise ShuttingDown("kvseal stopped serving; nothing was read or written")
+            if time.monotonic() >= deadline:
+                raise EngineNotReady(
+                    f"the engine's CUDA event did not complete within "
+                    f"{self.engine_event_timeout:g} s (is its stream stuck, or was the event "
+                    "recorded after a wait on kvseal?); nothing was read or written"
+                )
+            time.sleep(delay)  # 0 first: just yield the GIL
+            delay = min(max(2 * delay, 20e-6), 1e-3)
+
+    def _close_event(self, event: Any) -> None:
+        if event is None:
+            return
+        try:
+            self._dev.make_current()
+            self._dev.destroy_event(event)
+        except CudaError as e:
+            log.warning("destroying an engine's IPC event failed: %s", e)
 
     @staticmethod
     def _check_blocks(
@@ -1105,7 +1286,11 @@ class CudaBackend:
     def make_region(self, capacity: int, path: str | None) -> CudaHostRegion:
         with self._lock:
             self._enter()
-            return CudaHostRegion(self._dev, capacity, path, cc=self.cc)
+            try:
+                return CudaHostRegion(self._dev, capacity, path, cc=self.cc)
+            except CudaError as e:
+                self._note(e)
+                raise
 
     def map_pool(self, spec: PoolSpec) -> CudaMappedPool:
         """Open every buffer's IPC handle (once per distinct handle), check that the
@@ -1118,15 +1303,12 @@ class CudaBackend:
             try:
                 bases = []
                 for i, b in enumerate(g.buffers):
-                    if b.device != self.device:
-                        raise HandleUnusable(
-                            f"geometry.buffers[{i}] is on GPU {b.device} but this daemon "
-                            f"drives GPU {self.device}: run one kvseal per GPU (--device)"
-                        )
+                    # b.device is the engine's own index (its CUDA_VISIBLE_DEVICES may
+                    # differ from ours); where the memory lives is checked after the open.
                     handle = b.cuda_ipc_handle or b""
                     try:
                         ptr, size = self._ipc.acquire(handle)
-                    except CudaError as e:
+                    except CudaError as e:  # engine-supplied handle: never sticky
                         raise HandleUnusable(self._ipc_hint(i, e)) from e
                     acquired.append(handle)
                     if b.offset + b.size > size:
@@ -1151,6 +1333,12 @@ class CudaBackend:
                 raise
 
     def _ipc_hint(self, i: int, e: CudaError) -> str:
+        if e.code == _CU_INVALID_DEVICE:
+            return (
+                f"geometry.buffers[{i}]: {e}. Run one kvseal per GPU (--device N, in this "
+                "daemon's device numbering) and register each engine pool with the daemon "
+                "of the GPU that holds it"
+            )
         hint = (
             f"cannot open the CUDA IPC handle of geometry.buffers[{i}] ({e}). It must be a "
             "legacy cudaIpcMemHandle_t of cudaMalloc memory exported by a live process on "
@@ -1159,8 +1347,14 @@ class CudaBackend:
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False in the engine (or allocate "
             "the KV pool with cudaMalloc)"
         )
-        if e.code == 208:
+        if e.code == _CU_ALREADY_MAPPED:
             hint += "; the allocation is already mapped in this daemon under another handle"
+        elif e.code == _CU_INVALID_CONTEXT:
+            hint += (
+                "; CUDA_ERROR_INVALID_CONTEXT usually means the handle was exported by this "
+                "daemon's own process (legacy IPC cannot reopen it there), or the GPU is in "
+                "a compute mode that allows one process only (nvidia-smi -c DEFAULT)"
+            )
         return hint
 
     def map_local_pool(self, spec: PoolSpec, bases: Sequence[int]) -> CudaMappedPool:
@@ -1181,25 +1375,35 @@ class CudaBackend:
         if not blocks:
             return []
         self._check_blocks(pool, blocks, region)
-        with self._lock:
-            self._enter()
-            self._prune_keys()
-            epoch, nonces = self._sealer.allocate_for_device(len(blocks))
-            try:
-                return self._seal_locked(pool, blocks, region, wait_event, epoch, nonces)
-            except BaseException as e:
-                for _ in blocks:  # burn every nonce drawn: none is ever reused
-                    self._sealer.forget(epoch)
-                if isinstance(e, CudaError):
-                    self._note(e)
-                raise
+        engine = self._open_event(wait_event)
+        try:
+            # Offload reads the pages, so nothing can start before the engine's event:
+            # wait for it before taking the lock (a slow engine stream then holds up
+            # only its own request, not the backend).
+            self._await_event(engine)
+            with self._lock:
+                self._enter()
+                try:
+                    self._prune_keys()
+                except BaseException as e:
+                    self._failed(e)
+                    raise
+                epoch, nonces = self._sealer.allocate_for_device(len(blocks))
+                try:
+                    return self._seal_locked(pool, blocks, region, epoch, nonces)
+                except BaseException as e:
+                    for _ in blocks:  # burn every nonce drawn: none is ever reused
+                        self._sealer.forget(epoch)
+                    self._failed(e)
+                    raise
+        finally:
+            self._close_event(engine)
 
     def _seal_locked(
         self,
         pool: CudaMappedPool,
         blocks: Sequence[BlockIO],
         region: CudaHostRegion,
-        wait_event: bytes | None,
         epoch: int,
         nonces: list[bytes],
     ) -> list[SealRecord]:
@@ -1230,39 +1434,22 @@ class CudaBackend:
         )
         key = self._key_ctx(epoch)
         sk, sc = d.compute_stream, d.copy_stream
-        engine = self._open_event(wait_event)
-        try:
-            if engine is not None:
-                d.wait(sk, engine)  # the engine's writes to the pages come first
-            d.h2d_async(desc, host, lay.upload_seal, sk)
-            d.memset_async(desc + lay.ws, _WS_BYTES * n, sk)
-            chunks = split_chunks(n, bb, self.max_chunks, self.min_chunk_bytes)
-            for ci, (a, b) in enumerate(chunks):
-                batch = chunk_batch(
-                    key=key,
-                    pool=pool.desc,
-                    desc=desc,
-                    lay=lay,
-                    staging=staging,
-                    start=a,
-                    stop=b,
-                    config=self.config,
-                )
-                self._launch("kvseal_seal", batch, sk)
-                d.record(self._event(ci), sk)
-            # Only now the D2H copies: under CC each one blocks this thread at issue,
-            # and every kernel is already queued behind it.
-            for ci, (a, b) in enumerate(chunks):
-                d.wait(sc, self._event(ci))
-                if not mapped:
-                    for h, s, nbytes in plan_runs(host_offsets, staging_offsets, bb, a, b):
-                        d.d2h_async(region.host_ptr + h, staging + s, nbytes, sc)
-            d.d2h_async(host + lay.tags, desc + lay.tags, TAG_BYTES * n, sc)
-            d.sync(sc)
-            d.sync(sk)
-        finally:
-            if engine is not None:
-                d.destroy_event(engine)
+        d.h2d_async(desc, host, lay.upload_seal, sk)
+        d.memset_async(desc + lay.ws, _WS_BYTES * n, sk)
+        chunks = split_chunks(n, bb, self.max_chunks, self.min_chunk_bytes)
+        for ci, (a, b) in enumerate(chunks):
+            self._launch("kvseal_seal", self._batch(key, pool, desc, lay, staging, a, b), sk)
+            d.record(self._event(ci), sk)
+        # Only now the D2H copies: under CC each one blocks this thread at issue,
+        # and every kernel is already queued behind it.
+        for ci, (a, b) in enumerate(chunks):
+            d.wait(sc, self._event(ci))
+            if not mapped:
+                for h, s, nbytes in plan_runs(host_offsets, staging_offsets, bb, a, b):
+                    d.d2h_async(region.host_ptr + h, staging + s, nbytes, sc)
+        d.d2h_async(host + lay.tags, desc + lay.tags, TAG_BYTES * n, sc)
+        d.sync(sc)
+        d.sync(sk)
         tags = ctypes.string_at(host + lay.tags, TAG_BYTES * n)
         return [
             SealRecord(epoch, nonces[i], tags[TAG_BYTES * i : TAG_BYTES * (i + 1)])
@@ -1283,14 +1470,18 @@ class CudaBackend:
         if not blocks:
             return []
         self._check_blocks(pool, blocks, region)
-        with self._lock:
-            self._enter()
-            self._prune_keys()
-            try:
-                return self._open_locked(pool, blocks, records, region, wait_event)
-            except CudaError as e:
-                self._note(e)
-                raise
+        engine = self._open_event(wait_event)
+        try:
+            with self._lock:
+                self._enter()
+                try:
+                    self._prune_keys()
+                    return self._open_locked(pool, blocks, records, region, engine)
+                except BaseException as e:
+                    self._failed(e)
+                    raise
+        finally:
+            self._close_event(engine)
 
     def _open_locked(
         self,
@@ -1298,7 +1489,7 @@ class CudaBackend:
         blocks: Sequence[BlockIO],
         records: Sequence[SealRecord],
         region: CudaHostRegion,
-        wait_event: bytes | None,
+        engine: Any,
     ) -> list[int]:
         d, n, bb = self._dev, len(blocks), pool.block_bytes
         # One key per launch: order the blocks by epoch so each epoch is a contiguous
@@ -1329,90 +1520,86 @@ class CudaBackend:
         )
         keys = {e: self._key_ctx(e) for e, _, _ in groups}
         sk, sc = d.compute_stream, d.copy_stream
-        engine = self._open_event(wait_event)
-        try:
-            d.h2d_async(desc, host, lay.upload_open, sk)
-            d.memset_async(desc + lay.ws, _WS_BYTES * n, sk)
-            ci = 0
-            for e, g0, g1 in groups:
-                for ra, rb in split_chunks(g1 - g0, bb, self.max_chunks, self.min_chunk_bytes):
-                    a, b = ra + g0, rb + g0
-                    # Snapshot this chunk's ciphertext into private device memory: the
-                    # only read of host memory; verify and open use the snapshot.
-                    for h, s, nbytes in plan_runs(host_offsets, staging_offsets, bb, a, b):
-                        d.h2d_async(staging + s, region.host_ptr + h, nbytes, sc)
-                    d.record(self._event(ci), sc)
-                    d.wait(sk, self._event(ci))
-                    batch = chunk_batch(
-                        key=keys[e],
-                        pool=pool.desc,
-                        desc=desc,
-                        lay=lay,
-                        staging=staging,
-                        start=a,
-                        stop=b,
-                        config=self.config,
-                    )
-                    self._launch("kvseal_verify", batch, sk)
-                    ci += 1
-            if engine is not None:
-                d.wait(sk, engine)  # the engine is done with the destination pages
-            if len(groups) > 1:
-                # Each launch's all-or-nothing gate sees only its own epoch's flags,
-                # so the whole-request decision is made here first (rare: rekeys).
-                d.d2h_async(host + lay.ok, desc + lay.ok, n, sk)
-                d.sync(sk)
-                flags = ctypes.string_at(host + lay.ok, n)
-                if any(f != 1 for f in flags):
-                    return sorted(perm[j] for j in range(n) if flags[j] != 1)
-            if self.stopping.is_set():  # an integrity abort elsewhere: write no page
-                raise ShuttingDown("kvseal stopped serving; nothing was restored")
-            for e, g0, g1 in groups:
-                batch = chunk_batch(
-                    key=keys[e],
-                    pool=pool.desc,
-                    desc=desc,
-                    lay=lay,
-                    staging=staging,
-                    start=g0,
-                    stop=g1,
-                    config=self.config,
-                    all_or_nothing=True,
-                )
-                self._launch("kvseal_open", batch, sk)
+        d.h2d_async(desc, host, lay.upload_open, sk)
+        # Verdicts and workspace together: open trusts ok[], which must never carry a
+        # previous request's 1 (ok directly precedes ws in the layout).
+        d.memset_async(desc + lay.ok, lay.total - lay.ok, sk)
+        ci = 0
+        for e, g0, g1 in groups:
+            for ra, rb in split_chunks(g1 - g0, bb, self.max_chunks, self.min_chunk_bytes):
+                a, b = ra + g0, rb + g0
+                # Snapshot this chunk's ciphertext into private device memory: the
+                # only read of host memory; verify and open use the snapshot.
+                for h, s, nbytes in plan_runs(host_offsets, staging_offsets, bb, a, b):
+                    d.h2d_async(staging + s, region.host_ptr + h, nbytes, sc)
+                d.record(self._event(ci), sc)
+                d.wait(sk, self._event(ci))
+                batch = self._batch(keys[e], pool, desc, lay, staging, a, b)
+                self._launch("kvseal_verify", batch, sk)
+                ci += 1
+        # Only open writes the pages: copies and verification above overlap with the
+        # engine's remaining work; its event is awaited here, on the host (the
+        # backend lock is held, so a stuck engine stream delays other requests by at
+        # most the timeout; no GPU-side wait is ever queued on it).
+        self._await_event(engine)
+        if len(groups) > 1:
+            # Each launch's all-or-nothing gate sees only its own epoch's flags,
+            # so the whole-request decision is made here first (rare: rekeys).
             d.d2h_async(host + lay.ok, desc + lay.ok, n, sk)
             d.sync(sk)
-            d.sync(sc)
-        finally:
-            if engine is not None:
-                d.destroy_event(engine)
+            flags = ctypes.string_at(host + lay.ok, n)
+            if any(f != 1 for f in flags):
+                return sorted(perm[j] for j in range(n) if flags[j] != 1)
+        if self.stopping.is_set():  # an integrity abort elsewhere: write no page
+            raise ShuttingDown("kvseal stopped serving; nothing was restored")
+        for e, g0, g1 in groups:
+            batch = self._batch(keys[e], pool, desc, lay, staging, g0, g1, all_or_nothing=True)
+            self._launch("kvseal_open", batch, sk)
+        d.d2h_async(host + lay.ok, desc + lay.ok, n, sk)
+        d.sync(sk)
+        d.sync(sc)
         flags = ctypes.string_at(host + lay.ok, n)
         return sorted(perm[j] for j in range(n) if flags[j] != 1)
 
     def close(self) -> None:
         """Wipe and free key contexts, free buffers, close IPC mappings, release the
-        device. Best effort: a failing call is logged, the rest still runs."""
+        device. Best effort: each step runs even if an earlier one failed (logged).
+        Idempotent."""
         with self._lock:
             d = self._dev
-            try:
-                d.make_current()
+
+            def step(what: str, fn: Any) -> None:
+                try:
+                    fn()
+                except CudaError as e:
+                    log.warning("releasing CUDA resources (%s) failed: %s", what, e)
+
+            step("make the context current", d.make_current)
+
+            def wipe_keys() -> None:
                 for ctx in self._keys.values():
                     d.memset_async(ctx, _KEYCTX_BYTES, d.compute_stream)
-                if self._keys:
-                    d.sync(d.compute_stream)
-                for ctx in self._keys.values():
-                    d.free(ctx)
-                self._keys.clear()
-                if self._key_dev:
-                    d.free(self._key_dev)
-                    self._key_dev = 0
-                for buf in (self._staging, self._desc, self._host):
-                    buf.release()
-                for ev in self._events:
-                    d.destroy_event(ev)
-                self._events = []
-                self._ipc.close_all()
-            except CudaError as e:
-                log.warning("releasing CUDA resources failed: %s", e)
-            finally:
+                d.sync(d.compute_stream)
+
+            if self._keys:
+                step("wipe key contexts", wipe_keys)
+            for ctx in list(self._keys.values()):
+                step("free a key context", lambda c=ctx: d.free(c))
+            self._keys.clear()
+            if self._key_dev:
+                step("free the key upload buffer", lambda: d.free(self._key_dev))
+                self._key_dev = 0
+            if self._key_host:
+                ctypes.memset(self._key_host, 0, KEY_BYTES)
+                step("free the pinned key buffer", lambda: d.host_free(self._key_host))
+                self._key_host = 0
+            for buf in (self._staging, self._desc, self._host):
+                step("free a staging/descriptor buffer", buf.release)
+            for ev in self._events:
+                step("destroy an event", lambda e=ev: d.destroy_event(e))
+            self._events = []
+            step("close IPC mappings", self._ipc.close_all)
+            try:
                 d.close()
+            except CudaError as e:
+                log.warning("releasing the CUDA device failed: %s", e)

@@ -181,7 +181,9 @@ def compile_kernels(
             size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
             out = _out_buffer(size)
             _check(nvrtc.nvrtcGetPTX(prog, out), "nvrtcGetPTX")
-        image = bytes(out)
+        # PTX comes NUL-terminated; keep the text clean (ptxas rejects the NUL in a
+        # cached .ptx file), the loader adds the terminator back.
+        image = bytes(out) if output == "cubin" else bytes(out).rstrip(b"\0")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

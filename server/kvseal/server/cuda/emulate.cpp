@@ -51,6 +51,16 @@ std::vector<kvs_u32> cta_order(kvs_u32 n, kvs_u64 seed) {
     return order;
 }
 
+// After a CTA: no key-derived value may be left in shared memory (round keys, the
+// table of H^T, and the `red_nodes` nodes of the reduction tree).
+bool secrets_wiped(const KvsShared& sh, kvs_u32 red_nodes) {
+    kvs_u32 any = 0;
+    for (kvs_u32 w : sh.rk) any |= w;
+    for (kvs_u32 w : sh.htab) any |= w;
+    for (kvs_u32 i = 0; i < red_nodes; ++i) any |= (kvs_u32)(sh.u.red[i].hi | sh.u.red[i].lo);
+    return any == 0;
+}
+
 // Mirrors kernels.cu phase by phase; keep the two in step.
 int run_grid(const KvsBatch* batch, Kernel kernel, kvs_u64 order_seed) {
     if (!batch) return KVS_E_NULL;
@@ -64,7 +74,10 @@ int run_grid(const KvsBatch* batch, Kernel kernel, kvs_u64 order_seed) {
     std::vector<KvsThreadState> st(nthr);
     for (kvs_u32 g : cta_order(grid, order_seed)) {
         memset(sh.get(), 0xA5, sizeof(KvsShared));  // uninitialised shared memory
-        for (kvs_u32 t = 0; t < nthr; ++t) st[t].acc = kvs_block(0xDEADBEEFull, 0xDEADBEEFull);
+        for (kvs_u32 t = 0; t < nthr; ++t) {
+            st[t].acc = kvs_block(0xDEADBEEFull, 0xDEADBEEFull);
+            st[t].ej0 = st[t].acc;  // registers hold junk until written
+        }
         const bool open = kernel == Kernel::open;
         for (kvs_u32 t = 0; t < nthr; ++t) kvs_phase_setup(p, *sh, g, t, nthr, !open);
         // __syncthreads()
@@ -72,6 +85,9 @@ int run_grid(const KvsBatch* batch, Kernel kernel, kvs_u64 order_seed) {
             for (kvs_u32 t = 0; t < nthr; ++t) kvs_phase_open_gate(p, *sh, t, nthr);
             // __syncthreads()
             for (kvs_u32 t = 0; t < nthr; ++t) kvs_phase_open_main(p, *sh, g, t, nthr);
+            // __syncthreads()
+            for (kvs_u32 t = 0; t < nthr; ++t) kvs_phase_open_wipe(*sh, t, nthr);
+            if (!secrets_wiped(*sh, 0)) return KVS_E_SECRET_LEFT;
             continue;
         }
         for (kvs_u32 t = 0; t < nthr; ++t) {
@@ -81,13 +97,15 @@ int run_grid(const KvsBatch* batch, Kernel kernel, kvs_u64 order_seed) {
                 kvs_phase_verify_main(p, *sh, st[t], g, t, nthr);
         }
         // __syncthreads()
-        for (kvs_u32 t = 0; t < nthr; ++t) kvs_phase_reduce_store(*sh, st[t], t);
+        for (kvs_u32 t = 0; t < nthr; ++t) kvs_phase_reduce_store(*sh, st[t], t, nthr);
         // __syncthreads()
         for (kvs_u32 w = 1; w < nthr; w *= 2) {
             for (kvs_u32 t = 0; t < nthr; ++t) kvs_phase_reduce_level(p, *sh, t, w);
             // __syncthreads()
         }
-        for (kvs_u32 t = 0; t < nthr; ++t) kvs_phase_finish(p, *sh, g, t, kernel == Kernel::verify);
+        for (kvs_u32 t = 0; t < nthr; ++t)
+            kvs_phase_finish(p, *sh, st[t], g, t, kernel == Kernel::verify);
+        if (!secrets_wiped(*sh, nthr)) return KVS_E_SECRET_LEFT;
     }
     return KVS_OK;
 }

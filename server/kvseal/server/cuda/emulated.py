@@ -147,6 +147,7 @@ _ERRORS = {
     -4: "ctas_per_block does not match block_bytes and slice_blocks",
     -5: "block too large",
     -6: "no segments",
+    -7: "a CTA left key material in shared memory (emulator check)",
 }
 
 

@@ -31,14 +31,14 @@ __device__ __forceinline__ bool kvs_launch_ok(const KvsBatch& p) {
 __device__ __forceinline__ void kvs_reduce_and_finish(const KvsBatch& p, KvsShared& sh,
                                                       const KvsThreadState& st, bool verify) {
     const kvs_u32 tid = threadIdx.x, nthr = blockDim.x;
-    __syncthreads();  // hot loop done: T0 area may be reused
-    kvs_phase_reduce_store(sh, st, tid);
+    __syncthreads();  // hot loop done: T0 area may be reused, key tables wiped
+    kvs_phase_reduce_store(sh, st, tid, nthr);
     __syncthreads();
     for (kvs_u32 w = 1; w < nthr; w *= 2) {
         kvs_phase_reduce_level(p, sh, tid, w);
         __syncthreads();
     }
-    kvs_phase_finish(p, sh, blockIdx.x, tid, verify);
+    kvs_phase_finish(p, sh, st, blockIdx.x, tid, verify);
 }
 
 extern "C" __global__ void __launch_bounds__(KVS_MAX_THREADS) kvseal_seal(KvsBatch p) {
@@ -69,4 +69,6 @@ extern "C" __global__ void __launch_bounds__(KVS_MAX_THREADS) kvseal_open(KvsBat
     kvs_phase_open_gate(p, sh, threadIdx.x, blockDim.x);
     __syncthreads();
     kvs_phase_open_main(p, sh, blockIdx.x, threadIdx.x, blockDim.x);
+    __syncthreads();  // every thread is done with the round keys
+    kvs_phase_open_wipe(sh, threadIdx.x, blockDim.x);
 }

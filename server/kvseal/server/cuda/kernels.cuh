@@ -103,6 +103,7 @@ struct KvsShared {
 // Per-thread state carried across barriers (registers on the GPU).
 struct KvsThreadState {
     KvsBlock128 acc;
+    KvsBlock128 ej0;  // E_K(J0): thread 0 of a block's slice-0 CTA only
 };
 
 // Error codes of kvs_batch_check (0 = fine).
@@ -113,6 +114,7 @@ struct KvsThreadState {
 #define KVS_E_CTAS -4
 #define KVS_E_SIZE -5
 #define KVS_E_SEGMENTS -6
+#define KVS_E_SECRET_LEFT -7  // emulator only: a CTA left key material in shared memory
 
 KVS_HD kvs_u64 kvs_aes_blocks(kvs_u64 bytes) { return (bytes + 15u) / 16u; }
 
@@ -169,24 +171,21 @@ KVS_HD kvs_u64 kvs_atomic_exch64(kvs_u64* p, kvs_u64 v) { return atomicExch(p, v
 KVS_HD kvs_u32 kvs_atomic_exch32(kvs_u32* p, kvs_u32 v) { return atomicExch(p, v); }
 KVS_HD void kvs_threadfence() { __threadfence(); }
 #else
-// The emulator runs CTAs one after another on one host thread.
-KVS_HD void kvs_atomic_xor64(kvs_u64* p, kvs_u64 v) { *p ^= v; }
+// Host builds: real atomics with the orderings the GPU code gets (PTX atom.* is
+// relaxed at gpu scope; __threadfence is a full fence). The sequential emulator
+// does not need them, the threaded harness (tests/kernels_threaded.cpp, which runs
+// CTAs concurrently, also under ThreadSanitizer) does.
+KVS_HD void kvs_atomic_xor64(kvs_u64* p, kvs_u64 v) { __atomic_fetch_xor(p, v, __ATOMIC_RELAXED); }
 KVS_HD kvs_u32 kvs_atomic_add32(kvs_u32* p, kvs_u32 v) {
-    kvs_u32 o = *p;
-    *p = o + v;
-    return o;
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
 KVS_HD kvs_u64 kvs_atomic_exch64(kvs_u64* p, kvs_u64 v) {
-    kvs_u64 o = *p;
-    *p = v;
-    return o;
+    return __atomic_exchange_n(p, v, __ATOMIC_RELAXED);
 }
 KVS_HD kvs_u32 kvs_atomic_exch32(kvs_u32* p, kvs_u32 v) {
-    kvs_u32 o = *p;
-    *p = v;
-    return o;
+    return __atomic_exchange_n(p, v, __ATOMIC_RELAXED);
 }
-KVS_HD void kvs_threadfence() {}
+KVS_HD void kvs_threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 #endif
 
 KVS_HD kvs_u32 kvs_bswap32(kvs_u32 v) {
@@ -349,6 +348,16 @@ KVS_HD kvs_u32 kvs_first_step(const KvsCta& c, kvs_u32 tid, kvs_u32 nthr) {
     return tid >= c.pad ? 0u : (kvs_u32)((c.pad - tid + nthr - 1u) / nthr);
 }
 
+// E_K(J0), the tag mask, while the round keys and the lane-replicated T0 are still in
+// shared memory (after the hot loop the T0 area is reused and the keys are wiped):
+// no lookup with secret indices ever goes to global memory.
+KVS_HD void kvs_tag_mask(const KvsCta& c, const KvsShared& sh, KvsThreadState& st, kvs_u32 tid,
+                         const kvs_u8* nonce) {
+    if (c.slice != 0 || tid != 0) return;
+    KvsT0Lanes t0 = {sh.u.t0rep, 0u};
+    st.ej0 = kvs_aes256_encrypt(sh.rk, t0, kvs_gcm_j0(nonce));
+}
+
 // Phase "seal main": CTR-encrypt this thread's strided blocks of the slice while
 // gathering the plaintext from the pool, write the ciphertext to staging, and
 // fold it into the thread's Horner sum (step H^T).
@@ -360,6 +369,7 @@ KVS_HD void kvs_phase_seal_main(const KvsBatch& p, KvsShared& sh, KvsThreadState
     const kvs_u8* nonce = p.nonces + (kvs_u64)c.block * KVS_NONCE_BYTES;
     kvs_u64 page = (kvs_u64)p.pages[c.block];
     kvs_u8* out = p.staging + p.staging_offsets[c.block];
+    const KvsBlock128 ctr = kvs_gcm_counter_base(nonce);
     KvsBlock128 acc = kvs_block(0, 0);
     kvs_u32 steps = p.slice_blocks / nthr;
     kvs_u32 j = kvs_first_step(c, tid, nthr);
@@ -370,13 +380,14 @@ KVS_HD void kvs_phase_seal_main(const KvsBatch& p, KvsShared& sh, KvsThreadState
         kvs_u64 i = c.s0 + tid + (kvs_u64)j * nthr - c.pad;  // AES block index in the message
         kvs_u64 off = 16u * i;
         kvs_u32 n = p.block_bytes - off < 16u ? (kvs_u32)(p.block_bytes - off) : 16u;
-        KvsBlock128 ks = kvs_aes256_encrypt(sh.rk, t0, kvs_gcm_counter(nonce, i));
+        KvsBlock128 ks = kvs_aes256_encrypt(sh.rk, t0, kvs_gcm_counter_at(ctr, i));
         KvsBlock128 pt = kvs_gather(p, page, cursor, off, n);
         KvsBlock128 ct = kvs_block_prefix(kvs_xor(pt, ks), n);
         kvs_store_bytes(out + off, ct, n);
         acc = kvs_xor(kvs_gf_mul_tab(acc, ht), ct);
     }
     st.acc = acc;
+    kvs_tag_mask(c, sh, st, tid, nonce);
 }
 
 // Phase "verify main": the GHASH half of seal_main, over the staged ciphertext.
@@ -393,12 +404,23 @@ KVS_HD void kvs_phase_verify_main(const KvsBatch& p, KvsShared& sh, KvsThreadSta
         acc = kvs_xor(kvs_gf_mul_tab(acc, ht), kvs_load_bytes(in + off, n));
     }
     st.acc = acc;
+    kvs_tag_mask(c, sh, st, tid, p.nonces + (kvs_u64)c.block * KVS_NONCE_BYTES);
+}
+
+// Zero the key-derived tables in shared memory (round keys, the table of H^T, from
+// which H follows): shared memory is not cleared between CTAs or kernels, and the
+// next occupant of this SM may be another kernel of another process.
+KVS_HD void kvs_wipe_key_tables(KvsShared& sh, kvs_u32 tid, kvs_u32 nthr) {
+    for (kvs_u32 i = tid; i < KVS_AES256_RK_WORDS; i += nthr) sh.rk[i] = 0;
+    for (kvs_u32 i = tid; i < 16u * 4u * 32u; i += nthr) sh.htab[i] = 0;
 }
 
 // Reduction: registers -> shared (after the barrier that ends the hot loop, the
-// T0 area is free and is reused).
-KVS_HD void kvs_phase_reduce_store(KvsShared& sh, const KvsThreadState& st, kvs_u32 tid) {
+// T0 area is free and is reused; nothing reads the key tables any more).
+KVS_HD void kvs_phase_reduce_store(KvsShared& sh, const KvsThreadState& st, kvs_u32 tid,
+                                   kvs_u32 nthr) {
     sh.u.red[tid] = st.acc;
+    kvs_wipe_key_tables(sh, tid, nthr);
 }
 
 // One tree level: node [a, a + 2w) = node [a, a + w) * H^w + node [a + w, a + 2w),
@@ -409,10 +431,11 @@ KVS_HD void kvs_phase_reduce_level(const KvsBatch& p, KvsShared& sh, kvs_u32 tid
         sh.u.red[tid] = kvs_xor(kvs_gf_mul(sh.u.red[tid], kvs_hpow(p.key, w)), sh.u.red[tid + w]);
 }
 
-// The terms of the tag that do not depend on the ciphertext: E_K(J0), the AAD
-// (GHASH positions 1..7, weight H^(m + 1) after a 7-step Horner) and the length
-// block (weight H^1). Added once per block, by its slice-0 CTA.
-KVS_HD KvsBlock128 kvs_gcm_fixed_terms(const KvsKeyCtx* ctx, const kvs_u8* nonce, const kvs_u8* aad,
+// The terms of the tag that do not depend on the ciphertext: E_K(J0) (computed in
+// the main phase, see kvs_tag_mask), the AAD (GHASH positions 1..7, weight H^(m + 1)
+// after a 7-step Horner) and the length block (weight H^1). Added once per block,
+// by its slice-0 CTA.
+KVS_HD KvsBlock128 kvs_gcm_fixed_terms(const KvsKeyCtx* ctx, KvsBlock128 ej0, const kvs_u8* aad,
                                        kvs_u64 m, kvs_u64 ct_bytes) {
     KvsBlock128 h = kvs_ctx_hpow_entry(ctx, 0, 1);
     KvsBlock128 a = kvs_block(0, 0);
@@ -421,23 +444,28 @@ KVS_HD KvsBlock128 kvs_gcm_fixed_terms(const KvsKeyCtx* ctx, const kvs_u8* nonce
     KvsBlock128 r = kvs_gf_mul(a, kvs_hpow(ctx, m + 1));
     KvsBlock128 len = kvs_block((kvs_u64)KVS_AAD_BYTES * 8u, ct_bytes * 8u);
     r = kvs_xor(r, kvs_gf_mul(len, h));
-    KvsT0Plain t0 = {ctx->t0};
-    return kvs_xor(r, kvs_aes256_encrypt(ctx->rk, t0, kvs_gcm_j0(nonce)));
+    return kvs_xor(r, ej0);
 }
 
-// Phase "finish" (thread 0 only): weight the slice sum by its position, add it to
-// the block accumulator; the last CTA of the block produces the tag (seal) or the
-// constant-time verdict (verify) and returns the workspace to zero.
-KVS_HD void kvs_phase_finish(const KvsBatch& p, KvsShared& sh, kvs_u32 g, kvs_u32 tid,
-                             bool verify) {
-    if (tid != 0) return;
+// Phase "finish": every thread zeroes its node of the reduction tree (partial GHASH
+// sums: polynomials in H with known coefficients, so they would reveal H). Thread
+// 0 weights the slice sum by its position and adds it to the block accumulator;
+// the last CTA of the block produces the tag (seal) or the constant-time verdict
+// (verify) and returns the workspace to zero.
+KVS_HD void kvs_phase_finish(const KvsBatch& p, KvsShared& sh, const KvsThreadState& st,
+                             kvs_u32 g, kvs_u32 tid, bool verify) {
+    if (tid != 0) {
+        sh.u.red[tid] = kvs_block(0, 0);  // the last level read it before the barrier
+        return;
+    }
     KvsCta c = kvs_cta(p, g);
     // Slice sum S = red[0] * H has weight H^(s1 - i) for block i; in the message
     // block i has weight H^(m - i + 1) (the length block follows), hence the
     // factor H^(m - s1 + 1) * H = H^(m - s1 + 2).
     KvsBlock128 contrib = kvs_gf_mul(sh.u.red[0], kvs_hpow(p.key, c.m - c.s1 + 2u));
+    sh.u.red[0] = kvs_block(0, 0);
     if (c.slice == 0)
-        contrib = kvs_xor(contrib, kvs_gcm_fixed_terms(p.key, p.nonces + (kvs_u64)c.block * 12u,
+        contrib = kvs_xor(contrib, kvs_gcm_fixed_terms(p.key, st.ej0,
                                                        p.aads + (kvs_u64)c.block * KVS_AAD_BYTES,
                                                        c.m, p.block_bytes));
     KvsBlockWs* ws = p.ws + c.block;
@@ -461,11 +489,21 @@ KVS_HD void kvs_phase_finish(const KvsBatch& p, KvsShared& sh, kvs_u32 g, kvs_u3
     }
 }
 
+// Several threads may clear the flag at once; all store 0, so on the GPU a plain
+// store is enough. On the host it is an atomic store (no C++ data race for TSan).
+KVS_HD void kvs_clear_flag(kvs_u32* flag) {
+#if defined(__CUDA_ARCH__)
+    *flag = 0u;
+#else
+    __atomic_store_n(flag, 0u, __ATOMIC_RELAXED);
+#endif
+}
+
 // Phase "open gate" (all-or-nothing only): any failed block clears every CTA's flag.
 KVS_HD void kvs_phase_open_gate(const KvsBatch& p, KvsShared& sh, kvs_u32 tid, kvs_u32 nthr) {
     if (!p.all_or_nothing) return;
     for (kvs_u32 i = tid; i < p.num_blocks; i += nthr)
-        if (p.ok[i] != 1) sh.flag = 0;  // benign race: every writer stores 0
+        if (p.ok[i] != 1) kvs_clear_flag(&sh.flag);
 }
 
 // Phase "open main": CTR-decrypt the staged ciphertext and scatter it into the
@@ -478,6 +516,7 @@ KVS_HD void kvs_phase_open_main(const KvsBatch& p, KvsShared& sh, kvs_u32 g, kvs
     const kvs_u8* nonce = p.nonces + (kvs_u64)c.block * KVS_NONCE_BYTES;
     kvs_u64 page = (kvs_u64)p.pages[c.block];
     const kvs_u8* in = p.staging + p.staging_offsets[c.block];
+    const KvsBlock128 ctr = kvs_gcm_counter_base(nonce);
     kvs_u32 steps = p.slice_blocks / nthr;
     kvs_u32 j = kvs_first_step(c, tid, nthr);
     kvs_u32 cursor = 0;
@@ -487,10 +526,15 @@ KVS_HD void kvs_phase_open_main(const KvsBatch& p, KvsShared& sh, kvs_u32 g, kvs
         kvs_u64 i = c.s0 + tid + (kvs_u64)j * nthr - c.pad;
         kvs_u64 off = 16u * i;
         kvs_u32 n = p.block_bytes - off < 16u ? (kvs_u32)(p.block_bytes - off) : 16u;
-        KvsBlock128 ks = kvs_aes256_encrypt(sh.rk, t0, kvs_gcm_counter(nonce, i));
+        KvsBlock128 ks = kvs_aes256_encrypt(sh.rk, t0, kvs_gcm_counter_at(ctr, i));
         KvsBlock128 pt = kvs_xor(kvs_load_bytes(in + off, n), ks);
         kvs_scatter(p, page, cursor, off, pt, n);  // writes only n bytes
     }
+}
+
+// Phase "open wipe" (after a barrier that follows open main): zero the round keys.
+KVS_HD void kvs_phase_open_wipe(KvsShared& sh, kvs_u32 tid, kvs_u32 nthr) {
+    kvs_wipe_key_tables(sh, tid, nthr);
 }
 
 #endif  // KVSEAL_KERNELS_CUH
