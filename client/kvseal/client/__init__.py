@@ -20,6 +20,7 @@ from kvseal.client.client import (
     LookupResult,
     OffloadResult,
     PoolHandle,
+    PoolHold,
     RestoreResult,
 )
 from kvseal.client.hashing import NONE_HASH, chain_block_hashes, tenant_digest
@@ -33,6 +34,7 @@ __all__ = [
     "LookupResult",
     "OffloadResult",
     "PoolHandle",
+    "PoolHold",
     "RestoreResult",
     "chain_block_hashes",
     "tenant_digest",

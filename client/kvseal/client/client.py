@@ -192,6 +192,61 @@ def _service_config(retries: int) -> str:
     )
 
 
+class PoolHold:
+    """An open HoldPool stream: the daemon keeps the pool registered while it is
+    open, and unregisters it (releasing its mappings of the engine's memory) once
+    it closes, which also happens when this process exits or dies.
+
+    A background thread owns the stream. ``ended`` is set when the stream is over:
+    :meth:`close`, the pool unregistered or replaced, or the daemon gone (then
+    ``error`` says why, e.g. UNAVAILABLE). Thread-safe; ``close`` is idempotent."""
+
+    def __init__(self, stub: Any, pool_id: str) -> None:
+        self.pool_id = pool_id
+        self.established = threading.Event()
+        self.ended = threading.Event()
+        self.error: KVSealRpcError | None = None
+        self._closed = False
+        # No deadline: the stream lives as long as the engine does.
+        self._call = stub.HoldPool(pb.HoldPoolRequest(pool_id=pool_id))
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvseal-hold-{pool_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for _ in self._call:
+                self.established.set()
+        except grpc.RpcError as e:
+            if not self._closed:
+                self.error = KVSealRpcError.from_rpc(e)
+        finally:
+            self.ended.set()
+
+    @property
+    def active(self) -> bool:
+        return self.established.is_set() and not self.ended.is_set()
+
+    def wait_established(self, timeout: float) -> bool:
+        """True once the daemon confirmed the hold; False if the stream ended
+        first (``error`` says why) or ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        while not self.established.is_set() and not self.ended.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.ended.wait(min(left, 0.01))
+        return self.established.is_set() and not (self.ended.is_set() and self.error)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Release the hold: the daemon unregisters the pool (unless another hold on
+        it is open)."""
+        self._closed = True
+        self._call.cancel()
+        self._thread.join(timeout)
+
+
 class KVSealClient:
     """One channel to one daemon. Thread-safe (gRPC channels are)."""
 
@@ -265,6 +320,18 @@ class KVSealClient:
 
     def unregister_pool(self, pool_id: str) -> None:
         self._call("UnregisterPool", pb.UnregisterPoolRequest(pool_id=pool_id))
+
+    def hold_pool(self, pool_id: str, timeout: float | None = None) -> PoolHold:
+        """Tie the pool's registration to this process (see :class:`PoolHold`).
+        Returns once the daemon confirmed the hold; raises KVSealRpcError if it
+        refused (NOT_FOUND, RESOURCE_EXHAUSTED, ...) or did not answer in time."""
+        hold = PoolHold(self._stub, pool_id)
+        if hold.wait_established(timeout or self.config.timeout_s):
+            return hold
+        hold.close()
+        raise hold.error or KVSealRpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED, "", "HoldPool was not confirmed in time"
+        )
 
     def lookup(self, pool_id: str, tenant: bytes, block_hashes: Sequence[bytes]) -> LookupResult:
         r = self._call(
@@ -377,17 +444,32 @@ class EnginePool:
     ``register`` describes the pool; the handle is (re)obtained lazily, so
     the engine can start before the daemon and survive its restarts. All
     methods are thread-safe and return within their deadline.
+
+    With ``hold`` (the default) every registration is tied to this process with a
+    :class:`PoolHold`: if the engine dies, the daemon unregisters the pool and
+    stops mapping its KV memory (a restarted engine gets that memory back). A
+    daemon without HoldPool is used without a hold. :meth:`close` releases the
+    pool; afterwards every call degrades.
     """
 
     def __init__(
-        self, client: KVSealClient, name: str, model_fingerprint: bytes, geometry: pb.PoolGeometry
+        self,
+        client: KVSealClient,
+        name: str,
+        model_fingerprint: bytes,
+        geometry: pb.PoolGeometry,
+        *,
+        hold: bool = True,
     ) -> None:
         self.client = client
         self.name = name
         self.model_fingerprint = model_fingerprint
         self.geometry = geometry
+        self.hold = hold
         self._lock = threading.Lock()
         self._handle: PoolHandle | None = None
+        self._hold: PoolHold | None = None
+        self._closed = False
         self._down_until = 0.0
         self._backoff = client.config.backoff_initial_s
         self.failures = 0  # calls that degraded (visible to engine metrics)
@@ -421,7 +503,7 @@ class EnginePool:
         self._backoff = self.client.config.backoff_initial_s
 
     def _ensure(self) -> PoolHandle | None:
-        if not self._available():
+        if self._closed or not self._available():
             return None
         h = self._handle
         if h is not None:
@@ -431,9 +513,42 @@ class EnginePool:
         except KVSealRpcError as e:
             self._failed(e)
             return None
+        hold = self._take_hold(h) if self.hold else None
         with self._lock:
-            self._handle = h
+            self._handle, old = h, self._hold
+            self._hold = hold
+        if old is not None:
+            old.close()  # the previous registration's (already replaced or gone)
         return h
+
+    def _take_hold(self, h: PoolHandle) -> PoolHold | None:
+        try:
+            return self.client.hold_pool(h.pool_id)
+        except KVSealRpcError as e:
+            # The pool works without a hold; only its release on engine exit is lost.
+            log.warning("kvseal: pool %s registered without a hold: %s", h.pool_id, e)
+            return None
+
+    @property
+    def held(self) -> bool:
+        """Whether the current registration is tied to this process."""
+        hold = self._hold
+        return hold is not None and hold.active
+
+    def close(self) -> None:
+        """Release the pool (the daemon unregisters it and unmaps the engine's
+        memory); later calls degrade. Never raises."""
+        with self._lock:
+            self._closed = True
+            h, hold = self._handle, self._hold
+            self._handle = self._hold = None
+        if hold is not None and hold.active:
+            hold.close()  # the daemon unregisters the pool when the hold ends
+        elif h is not None:
+            try:
+                self.client.unregister_pool(h.pool_id)
+            except KVSealRpcError as e:
+                log.info("kvseal: unregister on close: %s", e)
 
     def _guarded(self, call: Callable[[PoolHandle], T], default: T) -> T:
         """Run ``call`` with the pool handle; any RPC failure degrades to

@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvseal/v1/kvseal.proto\x12\tkvseal.v1\"s\n\x0c\x42ufferHandle\x12\x12\n\x08shm_name\x18\x01 \x01(\tH\x00\x12\x19\n\x0f\x63uda_ipc_handle\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\x05\x42\x06\n\x04kind\"M\n\x07Segment\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0bpage_stride\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\xe5\x01\n\x0cPoolGeometry\x12\x11\n\tnum_pages\x18\x01 \x01(\r\x12\x17\n\x0ftokens_per_page\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12(\n\x07\x62uffers\x18\x08 \x03(\x0b\x32\x17.kvseal.v1.BufferHandle\x12$\n\x08segments\x18\t \x03(\x0b\x32\x12.kvseal.v1.Segment\"\x8e\x01\n\x13RegisterPoolRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12)\n\x08geometry\x18\x03 \x01(\x0b\x32\x17.kvseal.v1.PoolGeometry\x12#\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32\x12.kvseal.v1.Backend\"\x8a\x01\n\x11RegisterPoolReply\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12#\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32\x12.kvseal.v1.Backend\x12\x17\n\x0fserver_instance\x18\x05 \x01(\t\"(\n\x15UnregisterPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\x15\n\x13UnregisterPoolReply\"F\n\rLookupRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"H\n\x0bLookupReply\x12\x12\n\nhit_blocks\x18\x01 \x01(\r\x12%\n\x06states\x18\x02 \x03(\x0e\x32\x15.kvseal.v1.BlockState\"E\n\x0cTouchRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\x1d\n\nTouchReply\x12\x0f\n\x07touched\x18\x01 \x01(\r\"\x8d\x01\n\x0eOffloadRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12\x1d\n\x15\x63uda_event_ipc_handle\x18\x06 \x01(\x0c\"\x80\x01\n\x0cOffloadReply\x12+\n\x08outcomes\x18\x01 \x03(\x0e\x32\x19.kvseal.v1.OffloadOutcome\x12\x15\n\rstored_blocks\x18\x02 \x01(\r\x12\x14\n\x0cstored_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\x04 \x01(\r\"\x89\x01\n\x0eRestoreRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x10\n\x08page_ids\x18\x04 \x03(\r\x12\x0f\n\x07release\x18\x05 \x01(\x08\x12\x1d\n\x15\x63uda_event_ipc_handle\x18\x06 \x01(\x0c\"?\n\x0cRestoreReply\x12\x17\n\x0frestored_blocks\x18\x01 \x01(\r\x12\x16\n\x0erestored_bytes\x18\x02 \x01(\x04\"[\n\x0b\x44ropRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x15\n\rall_of_tenant\x18\x04 \x01(\x08\"#\n\tDropReply\x12\x16\n\x0e\x64ropped_blocks\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xc0\x04\n\nStatsReply\x12\x17\n\x0fserver_instance\x18\x01 \x01(\t\x12#\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x12.kvseal.v1.Backend\x12\x16\n\x0e\x62\x61\x63kend_detail\x18\x03 \x01(\t\x12\x1b\n\x13host_bytes_capacity\x18\x04 \x01(\x04\x12\x17\n\x0fhost_bytes_used\x18\x05 \x01(\x04\x12\x14\n\x0c\x62locks_ready\x18\x06 \x01(\x04\x12\x16\n\x0e\x62locks_pending\x18\x07 \x01(\x04\x12\x15\n\rblocks_pinned\x18\x08 \x01(\x04\x12\r\n\x05pools\x18\t \x01(\r\x12\x0f\n\x07lookups\x18\n \x01(\x04\x12\x19\n\x11lookup_hit_blocks\x18\x0b \x01(\x04\x12\x18\n\x10offloaded_blocks\x18\x0c \x01(\x04\x12\x17\n\x0foffloaded_bytes\x18\r \x01(\x04\x12\x17\n\x0frestored_blocks\x18\x0e \x01(\x04\x12\x16\n\x0erestored_bytes\x18\x0f \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\x10 \x01(\x04\x12\x16\n\x0e\x64ropped_blocks\x18\x11 \x01(\x04\x12\x1a\n\x12integrity_failures\x18\x12 \x01(\x04\x12\x18\n\x10integrity_policy\x18\x13 \x01(\t\x12\x11\n\tkey_epoch\x18\x14 \x01(\r\x12\x1f\n\x17seals_under_current_key\x18\x15 \x01(\x04\x12\x13\n\x0brekey_after\x18\x16 \x01(\x04\x12\x13\n\x0bhost_region\x18\x17 \x01(\t\"$\n\x12WatchEventsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\x0c\"\xb5\x01\n\nBlockEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.kvseal.v1.EventKind\x12(\n\x06reason\x18\x03 \x01(\x0e\x32\x18.kvseal.v1.RemovalReason\x12\x11\n\tnamespace\x18\x04 \x01(\x0c\x12\x0e\n\x06tenant\x18\x05 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x0e\n\x06medium\x18\x07 \x01(\t*E\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x42\x41\x43KEND_CPU\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_CUDA\x10\x02*_\n\nBlockState\x12\x1b\n\x17\x42LOCK_STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42LOCK_ABSENT\x10\x01\x12\x11\n\rBLOCK_PENDING\x10\x02\x12\x0f\n\x0b\x42LOCK_READY\x10\x03*{\n\x0eOffloadOutcome\x12\x1f\n\x1bOFFLOAD_OUTCOME_UNSPECIFIED\x10\x00\x12\x12\n\x0eOFFLOAD_STORED\x10\x01\x12\x1b\n\x17OFFLOAD_ALREADY_PRESENT\x10\x02\x12\x17\n\x13OFFLOAD_IN_PROGRESS\x10\x03*L\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42LOCK_STORED\x10\x01\x12\x11\n\rBLOCK_REMOVED\x10\x02*\x86\x01\n\rRemovalReason\x12\x1e\n\x1aREMOVAL_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREMOVED_EVICTED\x10\x01\x12\x13\n\x0fREMOVED_DROPPED\x10\x02\x12\x14\n\x10REMOVED_RELEASED\x10\x03\x12\x15\n\x11REMOVED_INTEGRITY\x10\x04*\xff\x01\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x10\n\x0cUNKNOWN_POOL\x10\x01\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\x02\x12\x15\n\x11PAGE_OUT_OF_RANGE\x10\x03\x12\x15\n\x11\x42LOCK_NOT_PRESENT\x10\x04\x12\x16\n\x12\x43\x41PACITY_EXHAUSTED\x10\x05\x12\x15\n\x11INTEGRITY_FAILURE\x10\x06\x12\x13\n\x0fHANDLE_UNUSABLE\x10\x07\x12\x14\n\x10\x42\x41\x43KEND_MISMATCH\x10\x08\x12\x11\n\rSHUTTING_DOWN\x10\t\x12\x14\n\x10\x45NGINE_NOT_READY\x10\n2\xd3\x04\n\x06KVSeal\x12L\n\x0cRegisterPool\x12\x1e.kvseal.v1.RegisterPoolRequest\x1a\x1c.kvseal.v1.RegisterPoolReply\x12R\n\x0eUnregisterPool\x12 .kvseal.v1.UnregisterPoolRequest\x1a\x1e.kvseal.v1.UnregisterPoolReply\x12:\n\x06Lookup\x12\x18.kvseal.v1.LookupRequest\x1a\x16.kvseal.v1.LookupReply\x12\x37\n\x05Touch\x12\x17.kvseal.v1.TouchRequest\x1a\x15.kvseal.v1.TouchReply\x12=\n\x07Offload\x12\x19.kvseal.v1.OffloadRequest\x1a\x17.kvseal.v1.OffloadReply\x12=\n\x07Restore\x12\x19.kvseal.v1.RestoreRequest\x1a\x17.kvseal.v1.RestoreReply\x12\x34\n\x04\x44rop\x12\x16.kvseal.v1.DropRequest\x1a\x14.kvseal.v1.DropReply\x12\x37\n\x05Stats\x12\x17.kvseal.v1.StatsRequest\x1a\x15.kvseal.v1.StatsReply\x12\x45\n\x0bWatchEvents\x12\x1d.kvseal.v1.WatchEventsRequest\x1a\x15.kvseal.v1.BlockEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvseal/v1/kvseal.proto\x12\tkvseal.v1\"s\n\x0c\x42ufferHandle\x12\x12\n\x08shm_name\x18\x01 \x01(\tH\x00\x12\x19\n\x0f\x63uda_ipc_handle\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\x05\x42\x06\n\x04kind\"M\n\x07Segment\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0bpage_stride\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\xe5\x01\n\x0cPoolGeometry\x12\x11\n\tnum_pages\x18\x01 \x01(\r\x12\x17\n\x0ftokens_per_page\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12(\n\x07\x62uffers\x18\x08 \x03(\x0b\x32\x17.kvseal.v1.BufferHandle\x12$\n\x08segments\x18\t \x03(\x0b\x32\x12.kvseal.v1.Segment\"\x8e\x01\n\x13RegisterPoolRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12)\n\x08geometry\x18\x03 \x01(\x0b\x32\x17.kvseal.v1.PoolGeometry\x12#\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32\x12.kvseal.v1.Backend\"\x8a\x01\n\x11RegisterPoolReply\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12#\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32\x12.kvseal.v1.Backend\x12\x17\n\x0fserver_instance\x18\x05 \x01(\t\"(\n\x15UnregisterPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\x15\n\x13UnregisterPoolReply\"\"\n\x0fHoldPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\" \n\rHoldPoolReply\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"F\n\rLookupRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"H\n\x0bLookupReply\x12\x12\n\nhit_blocks\x18\x01 \x01(\r\x12%\n\x06states\x18\x02 \x03(\x0e\x32\x15.kvseal.v1.BlockState\"E\n\x0cTouchRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\x1d\n\nTouchReply\x12\x0f\n\x07touched\x18\x01 \x01(\r\"\x8d\x01\n\x0eOffloadRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12\x1d\n\x15\x63uda_event_ipc_handle\x18\x06 \x01(\x0c\"\x80\x01\n\x0cOffloadReply\x12+\n\x08outcomes\x18\x01 \x03(\x0e\x32\x19.kvseal.v1.OffloadOutcome\x12\x15\n\rstored_blocks\x18\x02 \x01(\r\x12\x14\n\x0cstored_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\x04 \x01(\r\"\x89\x01\n\x0eRestoreRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x10\n\x08page_ids\x18\x04 \x03(\r\x12\x0f\n\x07release\x18\x05 \x01(\x08\x12\x1d\n\x15\x63uda_event_ipc_handle\x18\x06 \x01(\x0c\"?\n\x0cRestoreReply\x12\x17\n\x0frestored_blocks\x18\x01 \x01(\r\x12\x16\n\x0erestored_bytes\x18\x02 \x01(\x04\"[\n\x0b\x44ropRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x15\n\rall_of_tenant\x18\x04 \x01(\x08\"#\n\tDropReply\x12\x16\n\x0e\x64ropped_blocks\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xc0\x04\n\nStatsReply\x12\x17\n\x0fserver_instance\x18\x01 \x01(\t\x12#\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x12.kvseal.v1.Backend\x12\x16\n\x0e\x62\x61\x63kend_detail\x18\x03 \x01(\t\x12\x1b\n\x13host_bytes_capacity\x18\x04 \x01(\x04\x12\x17\n\x0fhost_bytes_used\x18\x05 \x01(\x04\x12\x14\n\x0c\x62locks_ready\x18\x06 \x01(\x04\x12\x16\n\x0e\x62locks_pending\x18\x07 \x01(\x04\x12\x15\n\rblocks_pinned\x18\x08 \x01(\x04\x12\r\n\x05pools\x18\t \x01(\r\x12\x0f\n\x07lookups\x18\n \x01(\x04\x12\x19\n\x11lookup_hit_blocks\x18\x0b \x01(\x04\x12\x18\n\x10offloaded_blocks\x18\x0c \x01(\x04\x12\x17\n\x0foffloaded_bytes\x18\r \x01(\x04\x12\x17\n\x0frestored_blocks\x18\x0e \x01(\x04\x12\x16\n\x0erestored_bytes\x18\x0f \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\x10 \x01(\x04\x12\x16\n\x0e\x64ropped_blocks\x18\x11 \x01(\x04\x12\x1a\n\x12integrity_failures\x18\x12 \x01(\x04\x12\x18\n\x10integrity_policy\x18\x13 \x01(\t\x12\x11\n\tkey_epoch\x18\x14 \x01(\r\x12\x1f\n\x17seals_under_current_key\x18\x15 \x01(\x04\x12\x13\n\x0brekey_after\x18\x16 \x01(\x04\x12\x13\n\x0bhost_region\x18\x17 \x01(\t\"$\n\x12WatchEventsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\x0c\"\xb5\x01\n\nBlockEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.kvseal.v1.EventKind\x12(\n\x06reason\x18\x03 \x01(\x0e\x32\x18.kvseal.v1.RemovalReason\x12\x11\n\tnamespace\x18\x04 \x01(\x0c\x12\x0e\n\x06tenant\x18\x05 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x0e\n\x06medium\x18\x07 \x01(\t*E\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x42\x41\x43KEND_CPU\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_CUDA\x10\x02*_\n\nBlockState\x12\x1b\n\x17\x42LOCK_STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42LOCK_ABSENT\x10\x01\x12\x11\n\rBLOCK_PENDING\x10\x02\x12\x0f\n\x0b\x42LOCK_READY\x10\x03*{\n\x0eOffloadOutcome\x12\x1f\n\x1bOFFLOAD_OUTCOME_UNSPECIFIED\x10\x00\x12\x12\n\x0eOFFLOAD_STORED\x10\x01\x12\x1b\n\x17OFFLOAD_ALREADY_PRESENT\x10\x02\x12\x17\n\x13OFFLOAD_IN_PROGRESS\x10\x03*L\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42LOCK_STORED\x10\x01\x12\x11\n\rBLOCK_REMOVED\x10\x02*\x86\x01\n\rRemovalReason\x12\x1e\n\x1aREMOVAL_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREMOVED_EVICTED\x10\x01\x12\x13\n\x0fREMOVED_DROPPED\x10\x02\x12\x14\n\x10REMOVED_RELEASED\x10\x03\x12\x15\n\x11REMOVED_INTEGRITY\x10\x04*\xff\x01\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x10\n\x0cUNKNOWN_POOL\x10\x01\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\x02\x12\x15\n\x11PAGE_OUT_OF_RANGE\x10\x03\x12\x15\n\x11\x42LOCK_NOT_PRESENT\x10\x04\x12\x16\n\x12\x43\x41PACITY_EXHAUSTED\x10\x05\x12\x15\n\x11INTEGRITY_FAILURE\x10\x06\x12\x13\n\x0fHANDLE_UNUSABLE\x10\x07\x12\x14\n\x10\x42\x41\x43KEND_MISMATCH\x10\x08\x12\x11\n\rSHUTTING_DOWN\x10\t\x12\x14\n\x10\x45NGINE_NOT_READY\x10\n2\x97\x05\n\x06KVSeal\x12L\n\x0cRegisterPool\x12\x1e.kvseal.v1.RegisterPoolRequest\x1a\x1c.kvseal.v1.RegisterPoolReply\x12R\n\x0eUnregisterPool\x12 .kvseal.v1.UnregisterPoolRequest\x1a\x1e.kvseal.v1.UnregisterPoolReply\x12\x42\n\x08HoldPool\x12\x1a.kvseal.v1.HoldPoolRequest\x1a\x18.kvseal.v1.HoldPoolReply0\x01\x12:\n\x06Lookup\x12\x18.kvseal.v1.LookupRequest\x1a\x16.kvseal.v1.LookupReply\x12\x37\n\x05Touch\x12\x17.kvseal.v1.TouchRequest\x1a\x15.kvseal.v1.TouchReply\x12=\n\x07Offload\x12\x19.kvseal.v1.OffloadRequest\x1a\x17.kvseal.v1.OffloadReply\x12=\n\x07Restore\x12\x19.kvseal.v1.RestoreRequest\x1a\x17.kvseal.v1.RestoreReply\x12\x34\n\x04\x44rop\x12\x16.kvseal.v1.DropRequest\x1a\x14.kvseal.v1.DropReply\x12\x37\n\x05Stats\x12\x17.kvseal.v1.StatsRequest\x1a\x15.kvseal.v1.StatsReply\x12\x45\n\x0bWatchEvents\x12\x1d.kvseal.v1.WatchEventsRequest\x1a\x15.kvseal.v1.BlockEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvseal.v1.kvseal_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BACKEND']._serialized_start=2491
-  _globals['_BACKEND']._serialized_end=2560
-  _globals['_BLOCKSTATE']._serialized_start=2562
-  _globals['_BLOCKSTATE']._serialized_end=2657
-  _globals['_OFFLOADOUTCOME']._serialized_start=2659
-  _globals['_OFFLOADOUTCOME']._serialized_end=2782
-  _globals['_EVENTKIND']._serialized_start=2784
-  _globals['_EVENTKIND']._serialized_end=2860
-  _globals['_REMOVALREASON']._serialized_start=2863
-  _globals['_REMOVALREASON']._serialized_end=2997
-  _globals['_ERRORREASON']._serialized_start=3000
-  _globals['_ERRORREASON']._serialized_end=3255
+  _globals['_BACKEND']._serialized_start=2561
+  _globals['_BACKEND']._serialized_end=2630
+  _globals['_BLOCKSTATE']._serialized_start=2632
+  _globals['_BLOCKSTATE']._serialized_end=2727
+  _globals['_OFFLOADOUTCOME']._serialized_start=2729
+  _globals['_OFFLOADOUTCOME']._serialized_end=2852
+  _globals['_EVENTKIND']._serialized_start=2854
+  _globals['_EVENTKIND']._serialized_end=2930
+  _globals['_REMOVALREASON']._serialized_start=2933
+  _globals['_REMOVALREASON']._serialized_end=3067
+  _globals['_ERRORREASON']._serialized_start=3070
+  _globals['_ERRORREASON']._serialized_end=3325
   _globals['_BUFFERHANDLE']._serialized_start=37
   _globals['_BUFFERHANDLE']._serialized_end=152
   _globals['_SEGMENT']._serialized_start=154
@@ -57,34 +57,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNREGISTERPOOLREQUEST']._serialized_end=791
   _globals['_UNREGISTERPOOLREPLY']._serialized_start=793
   _globals['_UNREGISTERPOOLREPLY']._serialized_end=814
-  _globals['_LOOKUPREQUEST']._serialized_start=816
-  _globals['_LOOKUPREQUEST']._serialized_end=886
-  _globals['_LOOKUPREPLY']._serialized_start=888
-  _globals['_LOOKUPREPLY']._serialized_end=960
-  _globals['_TOUCHREQUEST']._serialized_start=962
-  _globals['_TOUCHREQUEST']._serialized_end=1031
-  _globals['_TOUCHREPLY']._serialized_start=1033
-  _globals['_TOUCHREPLY']._serialized_end=1062
-  _globals['_OFFLOADREQUEST']._serialized_start=1065
-  _globals['_OFFLOADREQUEST']._serialized_end=1206
-  _globals['_OFFLOADREPLY']._serialized_start=1209
-  _globals['_OFFLOADREPLY']._serialized_end=1337
-  _globals['_RESTOREREQUEST']._serialized_start=1340
-  _globals['_RESTOREREQUEST']._serialized_end=1477
-  _globals['_RESTOREREPLY']._serialized_start=1479
-  _globals['_RESTOREREPLY']._serialized_end=1542
-  _globals['_DROPREQUEST']._serialized_start=1544
-  _globals['_DROPREQUEST']._serialized_end=1635
-  _globals['_DROPREPLY']._serialized_start=1637
-  _globals['_DROPREPLY']._serialized_end=1672
-  _globals['_STATSREQUEST']._serialized_start=1674
-  _globals['_STATSREQUEST']._serialized_end=1688
-  _globals['_STATSREPLY']._serialized_start=1691
-  _globals['_STATSREPLY']._serialized_end=2267
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=2269
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=2305
-  _globals['_BLOCKEVENT']._serialized_start=2308
-  _globals['_BLOCKEVENT']._serialized_end=2489
-  _globals['_KVSEAL']._serialized_start=3258
-  _globals['_KVSEAL']._serialized_end=3853
+  _globals['_HOLDPOOLREQUEST']._serialized_start=816
+  _globals['_HOLDPOOLREQUEST']._serialized_end=850
+  _globals['_HOLDPOOLREPLY']._serialized_start=852
+  _globals['_HOLDPOOLREPLY']._serialized_end=884
+  _globals['_LOOKUPREQUEST']._serialized_start=886
+  _globals['_LOOKUPREQUEST']._serialized_end=956
+  _globals['_LOOKUPREPLY']._serialized_start=958
+  _globals['_LOOKUPREPLY']._serialized_end=1030
+  _globals['_TOUCHREQUEST']._serialized_start=1032
+  _globals['_TOUCHREQUEST']._serialized_end=1101
+  _globals['_TOUCHREPLY']._serialized_start=1103
+  _globals['_TOUCHREPLY']._serialized_end=1132
+  _globals['_OFFLOADREQUEST']._serialized_start=1135
+  _globals['_OFFLOADREQUEST']._serialized_end=1276
+  _globals['_OFFLOADREPLY']._serialized_start=1279
+  _globals['_OFFLOADREPLY']._serialized_end=1407
+  _globals['_RESTOREREQUEST']._serialized_start=1410
+  _globals['_RESTOREREQUEST']._serialized_end=1547
+  _globals['_RESTOREREPLY']._serialized_start=1549
+  _globals['_RESTOREREPLY']._serialized_end=1612
+  _globals['_DROPREQUEST']._serialized_start=1614
+  _globals['_DROPREQUEST']._serialized_end=1705
+  _globals['_DROPREPLY']._serialized_start=1707
+  _globals['_DROPREPLY']._serialized_end=1742
+  _globals['_STATSREQUEST']._serialized_start=1744
+  _globals['_STATSREQUEST']._serialized_end=1758
+  _globals['_STATSREPLY']._serialized_start=1761
+  _globals['_STATSREPLY']._serialized_end=2337
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=2339
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=2375
+  _globals['_BLOCKEVENT']._serialized_start=2378
+  _globals['_BLOCKEVENT']._serialized_end=2559
+  _globals['_KVSEAL']._serialized_start=3328
+  _globals['_KVSEAL']._serialized_end=3991
 # @@protoc_insertion_point(module_scope)

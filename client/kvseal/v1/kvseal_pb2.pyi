@@ -169,6 +169,18 @@ class UnregisterPoolReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class HoldPoolRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class HoldPoolReply(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
     __slots__ = ("pool_id", "tenant", "block_hashes")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class KVSealStub:
                 request_serializer=kvseal_dot_v1_dot_kvseal__pb2.UnregisterPoolRequest.SerializeToString,
                 response_deserializer=kvseal_dot_v1_dot_kvseal__pb2.UnregisterPoolReply.FromString,
                 _registered_method=True)
+        self.HoldPool = channel.unary_stream(
+                '/kvseal.v1.KVSeal/HoldPool',
+                request_serializer=kvseal_dot_v1_dot_kvseal__pb2.HoldPoolRequest.SerializeToString,
+                response_deserializer=kvseal_dot_v1_dot_kvseal__pb2.HoldPoolReply.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvseal.v1.KVSeal/Lookup',
                 request_serializer=kvseal_dot_v1_dot_kvseal__pb2.LookupRequest.SerializeToString,
@@ -92,6 +97,21 @@ class KVSealServicer:
 
     def UnregisterPool(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldPool(self, request, context):
+        """Keeps a pool registered for as long as the caller keeps this stream open.
+        The daemon replies once (the hold is in place) and then ends the stream
+        only when the pool is unregistered or replaced (OK) or the daemon stops
+        (UNAVAILABLE). When the caller goes away, by closing the stream or because
+        its process exited and the connection dropped, the daemon unregisters the
+        pool (unless another hold on it is still open) and so releases its
+        mappings: a dead engine's KV memory (CUDA IPC, shared memory) is not kept
+        alive by the daemon. NOT_FOUND for an unknown pool; RESOURCE_EXHAUSTED
+        beyond --max-holds open holds.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -150,6 +170,11 @@ def add_KVSealServicer_to_server(servicer, server):
                     servicer.UnregisterPool,
                     request_deserializer=kvseal_dot_v1_dot_kvseal__pb2.UnregisterPoolRequest.FromString,
                     response_serializer=kvseal_dot_v1_dot_kvseal__pb2.UnregisterPoolReply.SerializeToString,
+            ),
+            'HoldPool': grpc.unary_stream_rpc_method_handler(
+                    servicer.HoldPool,
+                    request_deserializer=kvseal_dot_v1_dot_kvseal__pb2.HoldPoolRequest.FromString,
+                    response_serializer=kvseal_dot_v1_dot_kvseal__pb2.HoldPoolReply.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -241,6 +266,33 @@ class KVSeal:
             '/kvseal.v1.KVSeal/UnregisterPool',
             kvseal_dot_v1_dot_kvseal__pb2.UnregisterPoolRequest.SerializeToString,
             kvseal_dot_v1_dot_kvseal__pb2.UnregisterPoolReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvseal.v1.KVSeal/HoldPool',
+            kvseal_dot_v1_dot_kvseal__pb2.HoldPoolRequest.SerializeToString,
+            kvseal_dot_v1_dot_kvseal__pb2.HoldPoolReply.FromString,
             options,
             channel_credentials,
             insecure,

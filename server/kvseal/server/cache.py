@@ -22,9 +22,11 @@ from kvseal.server.config import IntegrityPolicy, ServerConfig
 from kvseal.server.errors import (
     BackendMismatch,
     BadRequest,
+    CapacityExhausted,
     IntegrityFailure,
     PageOutOfRange,
     ShuttingDown,
+    UnknownPool,
 )
 from kvseal.server.events import EventBus, EventKind
 from kvseal.server.index import Entry, Index, Removal, State, StoreOutcome
@@ -119,6 +121,9 @@ class SealedCache:
         self.sealer = sealer
         self.pools = PoolRegistry(config.max_pools)
         self.events = EventBus(config.max_watchers)
+        self.draining = threading.Event()
+        self._holds: dict[str, int] = {}  # pool id -> open HoldPool streams
+        self._holds_lock = threading.Lock()
         self.index = Index(region.capacity, on_free=self._on_free, on_event=self._on_event)
         self.counters = Counters()
         self._counter_lock = threading.Lock()
@@ -151,7 +156,15 @@ class SealedCache:
         """No new request is admitted; requests in flight stop before they
         write to an engine pool or publish a block (ShuttingDown)."""
         self._serving = False
+        self.draining.set()
         self.backend.stopping.set()
+
+    def begin_drain(self) -> None:
+        """Shutdown has begun: requests in flight finish, but long-lived streams
+        (event watchers, pool holds) end now (UNAVAILABLE) instead of holding the
+        drain for its whole grace period, and a hold that ends is not taken for
+        its engine going away."""
+        self.draining.set()
 
     def _check_serving(self) -> None:
         if not self._serving:
@@ -241,6 +254,40 @@ class SealedCache:
     def unregister_pool(self, pool_id: str) -> None:
         pool = self.pools.remove(pool_id)
         log.info("unregistered pool %s", pool.pool_id)
+
+    # ---------------------------------------------------------------- holds
+
+    def hold_pool(self, pool_id: str) -> None:
+        """Count one more HoldPool stream on a registered pool. UnknownPool if it is
+        not registered; CapacityExhausted beyond ``max_holds`` open holds; the caller
+        must :meth:`release_hold` exactly once."""
+        with self._holds_lock:
+            if sum(self._holds.values()) >= self.config.max_holds:
+                raise CapacityExhausted(
+                    f"too many open pool holds (limit {self.config.max_holds}, --max-holds)"
+                )
+            if pool_id not in self.pools:
+                raise UnknownPool(f"pool {pool_id!r} is not registered")
+            self._holds[pool_id] = self._holds.get(pool_id, 0) + 1
+
+    def release_hold(self, pool_id: str, *, holder_left: bool) -> bool:
+        """End one hold. If the holder went away (``holder_left``), the daemon is
+        serving and no other hold on the pool is open, unregister the pool, which
+        releases its mappings once no request uses it. Returns whether it did."""
+        with self._holds_lock:
+            left = self._holds.get(pool_id, 0) - 1
+            if left > 0:
+                self._holds[pool_id] = left
+                return False
+            self._holds.pop(pool_id, None)
+        if not (holder_left and self._serving and not self.draining.is_set()):
+            return False
+        try:
+            self.pools.remove(pool_id)
+        except UnknownPool:
+            return False  # unregistered or replaced meanwhile: nothing to release
+        log.info("unregistered pool %s: its holder (the engine) went away", pool_id)
+        return True
 
     # ---------------------------------------------------------------- blocks
 

@@ -85,6 +85,7 @@ class ServerConfig:
     max_batch_bytes: int = 2 * 1024**3
     max_pools: int = 64
     max_watchers: int = 8
+    max_holds: int = 8  # open HoldPool streams (each occupies one gRPC thread)
     rekey_after: int = 2**32
     grace_seconds: float = 5.0
     engine_event_timeout: float = 30.0  # cuda: how long an engine's IPC event may stay pending
@@ -112,6 +113,7 @@ class ServerConfig:
             "max_batch_bytes",
             "max_pools",
             "max_watchers",
+            "max_holds",
             "rekey_after",
             "grpc_threads",
         ):

@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain RPCs on SIGTERM")
     p.add_argument(
+        "--max-holds",
+        type=int,
+        default=int(_env("KVSEAL_MAX_HOLDS", "8") or 8),
+        help="open HoldPool streams at most (one per engine process is typical) [KVSEAL_MAX_HOLDS]",
+    )
+    p.add_argument(
         "--engine-event-timeout",
         type=float,
         default=float(_env("KVSEAL_ENGINE_EVENT_TIMEOUT", "30") or 30),
@@ -188,6 +194,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         rekey_after=args.rekey_after,
         grace_seconds=args.grace,
         engine_event_timeout=args.engine_event_timeout,
+        max_holds=args.max_holds,
         log_format=args.log_format,
         log_level=args.log_level.upper(),
     )
@@ -375,12 +382,17 @@ class Daemon:
         if metrics is not None:
             cache.observer = Observer(on_transfer=metrics.on_transfer)
         server = grpc.server(
-            futures.ThreadPoolExecutor(cfg.grpc_threads, thread_name_prefix="kvseal-rpc"),
+            # Streams (event watchers, pool holds) each keep a thread for their whole
+            # life: they get threads of their own on top of --grpc-threads.
+            futures.ThreadPoolExecutor(
+                cfg.grpc_threads + cfg.max_watchers + cfg.max_holds,
+                thread_name_prefix="kvseal-rpc",
+            ),
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.so_reuseport", 0),
             ],
-            maximum_concurrent_rpcs=cfg.grpc_threads * 4,
+            maximum_concurrent_rpcs=cfg.grpc_threads * 4 + cfg.max_watchers + cfg.max_holds,
         )
         pb_grpc.add_KVSealServicer_to_server(  # type: ignore[no-untyped-call]
             KVSealServicer(cache, instance, on_done=metrics.on_request if metrics else None), server
@@ -451,6 +463,7 @@ class Daemon:
         self.stop_event.wait()
         sd_notify("STOPPING=1")
         log.info("shutting down: draining for up to %.1fs", self.cfg.grace_seconds)
+        self.cache.begin_drain()  # streams end now; unary requests get the grace period
         self.server.stop(self.cfg.grace_seconds).wait()  # refuse new RPCs, drain the rest
         if self.gate is not None:
             self.gate.stop()

@@ -225,6 +225,10 @@ class PoolRegistry:
         with self._lock:
             return len(self._by_id)
 
+    def __contains__(self, pool_id: object) -> bool:
+        with self._lock:
+            return pool_id in self._by_id
+
     def add(self, spec: PoolSpec, namespace: bytes, mapped: MappedPool) -> tuple[Pool, Pool | None]:
         """Register; a pool with the same name is replaced (and returned)."""
         pool_id = f"{spec.name}#{secrets.token_hex(6)}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -178,6 +179,31 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             host_region=self.cache.region.description,
         )
 
+    def HoldPool(
+        self, request: pb.HoldPoolRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.HoldPoolReply]:
+        """See the proto. The stream's end tells who ended it: the caller (cancel,
+        or its connection dropped: the callback fires), the pool (unregistered or
+        replaced), or the daemon (stopping). Only the first unregisters the pool."""
+        try:
+            self.cache.hold_pool(request.pool_id)
+        except KVSealError as e:
+            _abort(context, e)
+        gone = threading.Event()
+        context.add_callback(gone.set)  # RPC over: cancelled, disconnected or finished
+        holder_left = True
+        try:
+            yield pb.HoldPoolReply(pool_id=request.pool_id)
+            while not gone.wait(0.25):
+                if self.cache.draining.is_set():
+                    holder_left = False
+                    _abort(context, ShuttingDown("kvseal is shutting down"))
+                if request.pool_id not in self.cache.pools:
+                    holder_left = False  # unregistered or replaced: the hold is over
+                    return
+        finally:
+            self.cache.release_hold(request.pool_id, holder_left=holder_left)
+
     def WatchEvents(
         self, request: pb.WatchEventsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.BlockEvent]:
@@ -194,7 +220,7 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             # it order "subscribe, then resync" without a race.
             context.send_initial_metadata((("kvseal-watch", "subscribed"),))
             while context.is_active():
-                if not self.cache.serving:
+                if self.cache.draining.is_set():
                     _abort(context, ShuttingDown("kvseal is shutting down"))
                 if sub.overflowed and sub.queue.empty():
                     _abort(

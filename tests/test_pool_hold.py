@@ -1,0 +1,210 @@
+"""HoldPool: a pool's registration lives as long as its engine process.
+
+A real daemon and, where it matters, a real engine process that is SIGKILLed: the
+daemon must notice the dropped connection, unregister the pool and unmap the
+engine's memory (for the CUDA backend that memory would otherwise stay allocated
+on the GPU and a restarted engine could not get it back).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from kvseal.client import ClientConfig, EnginePool, KVSealClient, KVSealRpcError, tenant_digest
+from kvseal.client.shm import SharedKVPool
+
+from .conftest import DaemonProc, start_daemon
+
+FP = b"model:test"
+
+ENGINE = """
+import sys, time
+from kvseal.client import ClientConfig, EnginePool, KVSealClient, tenant_digest
+from kvseal.client.shm import KVShape, SharedKVPool
+shape = KVShape(num_pages=4, dtype="bfloat16", tokens_per_page=4, num_layers=2,
+                num_kv_heads=2, head_dim=16)
+pool = SharedKVPool(shape, "vllm_per_layer", name_prefix="kvseal-test")
+engine = EnginePool(KVSealClient(ClientConfig(target=sys.argv[1])), "engine", b"fp",
+                    pool.geometry())
+handle = engine._ensure()
+assert engine.offload(tenant_digest(None), [bytes([17]) * 32], [0])
+print(handle.pool_id, engine.held, *[b.name for b in pool.buffers], flush=True)
+time.sleep(600)
+"""
+
+
+def _until(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    """Wait for something the daemon does asynchronously (not a timing check: the
+    bound only keeps a broken build from hanging the suite)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        time.sleep(0.02)
+
+
+def _maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def _pools(d: DaemonProc) -> int:
+    with d.client() as c:
+        return c.stats().pools
+
+
+def test_killed_engine_releases_its_pool(
+    daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, daemon.target],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    names: list[str] = []
+    try:
+        assert engine.stdout is not None
+        pool_id, held, *names = engine.stdout.readline().split()
+        assert held == "True" and names
+        assert _pools(daemon) == 1
+        maps = _maps(daemon.proc.pid)
+        assert all(f"/dev/shm/{n}" in maps for n in names)  # the daemon maps the pool
+
+        engine.send_signal(signal.SIGKILL)  # no clean-up of any kind on the engine side
+        engine.wait(10)
+
+        _until(lambda: _pools(daemon) == 0, "the pool to be unregistered")
+        _until(
+            lambda: not any(f"/dev/shm/{n}" in _maps(daemon.proc.pid) for n in names),
+            "the daemon to unmap the engine's memory",
+        )
+        assert f"unregistered pool {pool_id}: its holder (the engine) went away" in daemon.log()
+        with daemon.client() as c:  # the daemon serves on
+            assert c.health() == "SERVING"
+            # The sealed blocks belong to the model namespace, not to the pool: a
+            # restarted engine (same model, same layout) still finds them.
+            again = c.register_pool("engine", b"fp", pool_factory(num_pages=4).geometry())
+            assert c.lookup(again.pool_id, tenant_digest(None), [bytes([17]) * 32]).hit_blocks == 1
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+        for n in names:  # SIGKILL left the engine's shm objects behind
+            Path(f"/dev/shm/{n}").unlink(missing_ok=True)
+
+
+def test_hold_lifecycle(daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]) -> None:
+    pool = pool_factory(num_pages=2)
+    with daemon.client() as c:
+        with pytest.raises(KVSealRpcError) as ei:
+            c.hold_pool("nope#000000")
+        assert ei.value.code is grpc.StatusCode.NOT_FOUND and ei.value.reason == "UNKNOWN_POOL"
+
+        # Two holds: the pool stays until the last one is released.
+        h = c.register_pool("a", FP, pool.geometry())
+        one, two = c.hold_pool(h.pool_id), c.hold_pool(h.pool_id)
+        assert one.active and two.active
+        one.close()
+        assert one.ended.is_set() and one.error is None
+        assert c.lookup(h.pool_id, tenant_digest(None), [b"\0" * 32]).hit_blocks == 0
+        two.close()
+        _until(lambda: c.stats().pools == 0, "the pool to be unregistered")
+
+        # Replaced under the same name: the old hold ends (OK), the new pool stays.
+        old = c.register_pool("b", FP, pool.geometry())
+        hold = c.hold_pool(old.pool_id)
+        new = c.register_pool("b", FP, pool.geometry())
+        assert hold.ended.wait(10) and hold.error is None
+        assert c.stats().pools == 1
+        c.lookup(new.pool_id, tenant_digest(None), [b"\0" * 32])  # still registered
+
+        # Unregistered while held: the hold just ends.
+        hold = c.hold_pool(new.pool_id)
+        c.unregister_pool(new.pool_id)
+        assert hold.ended.wait(10) and hold.error is None
+        assert c.stats().pools == 0
+
+
+def test_engine_pool_holds_and_close_releases(
+    daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    pool = pool_factory(num_pages=2)
+    client = KVSealClient(ClientConfig(target=daemon.target))
+    engine = EnginePool(client, "engine", FP, pool.geometry())
+    try:
+        assert engine.lookup(tenant_digest(None), [b"\0" * 32]) == 0
+        assert engine.held and _pools(daemon) == 1
+        engine.close()
+        _until(lambda: _pools(daemon) == 0, "the pool to be unregistered")
+        assert engine.lookup(tenant_digest(None), [b"\0" * 32]) == 0  # degrades, no re-register
+        assert _pools(daemon) == 0
+        # Without a hold (e.g. an older daemon), close unregisters directly.
+        bare = EnginePool(client, "bare", FP, pool.geometry(), hold=False)
+        bare.lookup(tenant_digest(None), [b"\0" * 32])
+        assert not bare.held and _pools(daemon) == 1
+        bare.close()
+        assert _pools(daemon) == 0
+    finally:
+        client.close()
+
+
+def test_hold_limit(
+    daemon_factory: Callable[..., DaemonProc], pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    d = daemon_factory("--max-holds", "1")
+    pool = pool_factory(num_pages=2)
+    with d.client() as c:
+        h = c.register_pool("a", FP, pool.geometry())
+        first = c.hold_pool(h.pool_id)
+        with pytest.raises(KVSealRpcError) as ei:
+            c.hold_pool(h.pool_id)
+        assert ei.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ei.value.reason == "CAPACITY_EXHAUSTED" and "--max-holds" in ei.value.details
+        assert first.active and c.stats().pools == 1  # the refused hold changed nothing
+        first.close()
+        _until(lambda: c.stats().pools == 0, "the pool to be unregistered")
+        h = c.register_pool("a", FP, pool.geometry())
+        c.hold_pool(h.pool_id).close()  # room again
+
+
+def test_daemon_shutdown_ends_holds_without_calling_the_engine_gone(
+    daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    pool = pool_factory(num_pages=2)
+    with daemon.client() as c:
+        h = c.register_pool("a", FP, pool.geometry())
+        hold = c.hold_pool(h.pool_id)
+        assert daemon.stop() == 0
+        assert hold.ended.wait(10)
+        assert hold.error is not None and hold.error.code is grpc.StatusCode.UNAVAILABLE
+    assert "went away" not in daemon.log()
+
+
+def test_engine_pool_holds_again_after_a_daemon_restart(
+    tmp_path: Path, pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    pool = pool_factory(num_pages=2)
+    d = start_daemon(tmp_path / "d")
+    client = KVSealClient(ClientConfig(target=d.target, backoff_initial_s=0.05))
+    engine = EnginePool(client, "engine", FP, pool.geometry())
+    try:
+        engine.lookup(tenant_digest(None), [b"\0" * 32])
+        assert engine.held
+        d.stop()
+        d = start_daemon(tmp_path / "d")  # same socket: a restart
+        _until(
+            lambda: engine.lookup(tenant_digest(None), [b"\0" * 32]) == 0 and engine.held,
+            "the engine to register and hold again",
+        )
+        assert _pools(d) == 1
+    finally:
+        engine.close()
+        client.close()
+        d.stop()
