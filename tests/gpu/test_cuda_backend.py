@@ -458,3 +458,67 @@ def test_operator_selftest_against_cuda_daemon(daemon: tuple[DaemonProc, Path]) 
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every byte identical" in r.stdout and r.stdout.strip().endswith("PASS")
+
+
+_GPU_ENGINE = """
+import sys, time, torch
+from kvseal.client import ClientConfig, EnginePool, KVSealClient
+from kvseal.client.shm import BLOCK_ORDER
+from kvseal.client.torch_pool import geometry_from_tensors
+layers = [torch.zeros((2, 256, 16, 8, 128), dtype=torch.bfloat16, device="cuda:0")
+          for _ in range(64)]  # 1 GiB of KV pool
+torch.cuda.synchronize()
+geometry = geometry_from_tensors(layers, 1, layout_name=BLOCK_ORDER, tokens_per_page=16,
+                                 num_layers=64, num_kv_heads=8, head_dim=128)
+engine = EnginePool(KVSealClient(ClientConfig(target=sys.argv[1])), "doomed", b"fp", geometry)
+handle = engine._ensure()
+print(handle.pool_id if handle else "-", engine.held, flush=True)
+time.sleep(600)
+"""
+
+
+def test_daemon_frees_a_killed_engines_gpu_memory(daemon: tuple[DaemonProc, Path]) -> None:
+    """An engine that dies (SIGKILL: no clean-up) must get its KV memory back on
+    restart: its HoldPool stream drops, the daemon unregisters the pool and closes
+    the CUDA IPC mappings, and the driver frees the allocation (device-wide free
+    memory comes back). Without that, a restarted engine would run out of memory."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    d, _ = daemon
+    torch.cuda.synchronize()
+    free_before, _total = torch.cuda.mem_get_info(0)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _GPU_ENGINE, d.target],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert child.stdout is not None
+        pool_id, held = child.stdout.readline().split()
+        assert pool_id != "-" and held == "True", "the engine could not register and hold"
+        free_with_engine = torch.cuda.mem_get_info(0)[0]
+        assert free_before - free_with_engine >= 1 << 30
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        deadline = time.monotonic() + 30  # bounds a broken build; not a timing check
+        while time.monotonic() < deadline:
+            with d.client() as c:
+                if c.stats().pools == 0 and torch.cuda.mem_get_info(0)[0] > free_with_engine + (
+                    768 << 20
+                ):
+                    break
+            time.sleep(0.1)
+        with d.client() as c:
+            assert c.stats().pools == 0, "the dead engine's pool is still registered"
+        assert torch.cuda.mem_get_info(0)[0] > free_with_engine + (768 << 20), (
+            "the dead engine's GPU memory was not freed (still mapped by the daemon?)"
+        )
+        assert "its holder (the engine) went away" in d.log()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()

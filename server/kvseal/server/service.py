@@ -190,11 +190,14 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         except KVSealError as e:
             _abort(context, e)
         gone = threading.Event()
-        context.add_callback(gone.set)  # RPC over: cancelled, disconnected or finished
+        # Set when the RPC is over: cancelled, disconnected or finished. False means
+        # it is over already (the caller left before we got here).
+        if not context.add_callback(gone.set):
+            gone.set()
         holder_left = True
         try:
             yield pb.HoldPoolReply(pool_id=request.pool_id)
-            while not gone.wait(0.25):
+            while not gone.wait(0.25) and context.is_active():
                 if self.cache.draining.is_set():
                     holder_left = False
                     _abort(context, ShuttingDown("kvseal is shutting down"))
