@@ -101,6 +101,7 @@ KVSEAL_METRICS = {
     "kvseal_integrity_failures_total",
     "kvseal_requests_total",
     "kvseal_registered_pools",
+    "kvseal_pool_holds",
 }
 KVSEAL_HISTOGRAMS = {"kvseal_transfer_duration_seconds"}
 # Metrics of other exporters the alert rules may use besides kvseal's.

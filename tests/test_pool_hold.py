@@ -34,6 +34,9 @@ pool = SharedKVPool(shape, "vllm_per_layer", name_prefix="kvseal-test")
 engine = EnginePool(KVSealClient(ClientConfig(target=sys.argv[1])), "engine", b"fp",
                     pool.geometry())
 handle = engine._ensure()
+deadline = time.monotonic() + 20
+while not engine.held and time.monotonic() < deadline:  # confirmed in the background
+    time.sleep(0.01)
 assert engine.offload(tenant_digest(None), [bytes([17]) * 32], [0])
 print(handle.pool_id, engine.held, *[b.name for b in pool.buffers], flush=True)
 time.sleep(600)
@@ -110,12 +113,15 @@ def test_hold_lifecycle(daemon: DaemonProc, pool_factory: Callable[..., SharedKV
         # Two holds: the pool stays until the last one is released.
         h = c.register_pool("a", FP, pool.geometry())
         one, two = c.hold_pool(h.pool_id), c.hold_pool(h.pool_id)
-        assert one.active and two.active
+        assert one.active and two.active and c.stats().pool_holds == 2
         one.close()
         assert one.ended.is_set() and one.error is None
+        _until(lambda: c.stats().pool_holds == 1, "the daemon to count the release")
+        assert c.stats().pools == 1
         assert c.lookup(h.pool_id, tenant_digest(None), [b"\0" * 32]).hit_blocks == 0
         two.close()
         _until(lambda: c.stats().pools == 0, "the pool to be unregistered")
+        assert c.stats().pool_holds == 0
 
         # Replaced under the same name: the old hold ends (OK), the new pool stays.
         old = c.register_pool("b", FP, pool.geometry())
@@ -140,9 +146,10 @@ def test_engine_pool_holds_and_close_releases(
     engine = EnginePool(client, "engine", FP, pool.geometry())
     try:
         assert engine.lookup(tenant_digest(None), [b"\0" * 32]) == 0
-        assert engine.held and _pools(daemon) == 1
+        _until(lambda: engine.held, "the hold to be confirmed (in the background)")
+        assert _pools(daemon) == 1
         engine.close()
-        _until(lambda: _pools(daemon) == 0, "the pool to be unregistered")
+        assert _pools(daemon) == 0  # close() unregisters before it returns
         assert engine.lookup(tenant_digest(None), [b"\0" * 32]) == 0  # degrades, no re-register
         assert _pools(daemon) == 0
         # Without a hold (e.g. an older daemon), close unregisters directly.
@@ -183,7 +190,9 @@ def test_daemon_shutdown_ends_holds_without_calling_the_engine_gone(
         hold = c.hold_pool(h.pool_id)
         assert daemon.stop() == 0
         assert hold.ended.wait(10)
+        # Ended by the drain (kvseal's own reason), not cut by gRPC after the grace.
         assert hold.error is not None and hold.error.code is grpc.StatusCode.UNAVAILABLE
+        assert hold.error.reason == "SHUTTING_DOWN"
     assert "went away" not in daemon.log()
 
 
@@ -196,7 +205,7 @@ def test_engine_pool_holds_again_after_a_daemon_restart(
     engine = EnginePool(client, "engine", FP, pool.geometry())
     try:
         engine.lookup(tenant_digest(None), [b"\0" * 32])
-        assert engine.held
+        _until(lambda: engine.held, "the first hold")
         d.stop()
         d = start_daemon(tmp_path / "d")  # same socket: a restart
         _until(
@@ -208,3 +217,52 @@ def test_engine_pool_holds_again_after_a_daemon_restart(
         engine.close()
         client.close()
         d.stop()
+
+
+def test_engine_pool_retries_a_refused_hold(
+    daemon_factory: Callable[..., DaemonProc], pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    """--max-holds reached: the engine's pool works unheld, and is held as soon as
+    there is room (a refusal must not leave a pool unheld for the engine's life)."""
+    d = daemon_factory("--max-holds", "1")
+    pool = pool_factory(num_pages=2)
+    client = KVSealClient(ClientConfig(target=d.target, backoff_initial_s=0.05))
+    a = EnginePool(client, "a", FP, pool.geometry())
+    b = EnginePool(client, "b", FP, pool.geometry())
+    try:
+        a.lookup(tenant_digest(None), [b"\0" * 32])
+        _until(lambda: a.held, "a's hold")
+        assert b.lookup(tenant_digest(None), [b"\0" * 32]) == 0  # works, unheld
+        assert not b.held and _pools(d) == 2
+        a.close()
+        _until(lambda: b.held, "b's hold, once a released its slot")
+        with d.client() as c:
+            assert c.stats().pool_holds == 1 and c.stats().pools == 1
+    finally:
+        b.close()
+        client.close()
+
+
+def test_engine_pool_registers_again_when_its_pool_is_taken_away(
+    daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    """An operator (or a dropped connection) unregisters the pool: the hold ends,
+    and the engine registers and holds again instead of degrading every call."""
+    pool = pool_factory(num_pages=2)
+    client = KVSealClient(ClientConfig(target=daemon.target))
+    engine = EnginePool(client, "engine", FP, pool.geometry())
+    try:
+        engine.lookup(tenant_digest(None), [b"\0" * 32])
+        _until(lambda: engine.held, "the hold")
+        first = engine.handle
+        assert first is not None
+        with daemon.client() as c:
+            c.unregister_pool(first.pool_id)
+        _until(lambda: engine.handle is None, "the engine to notice")
+        engine.lookup(tenant_digest(None), [b"\0" * 32])
+        _until(lambda: engine.held, "the new hold")
+        assert engine.handle is not None and engine.handle.pool_id != first.pool_id
+        assert _pools(daemon) == 1
+    finally:
+        engine.close()
+        client.close()

@@ -472,6 +472,9 @@ geometry = geometry_from_tensors(layers, 1, layout_name=BLOCK_ORDER, tokens_per_
                                  num_layers=64, num_kv_heads=8, head_dim=128)
 engine = EnginePool(KVSealClient(ClientConfig(target=sys.argv[1])), "doomed", b"fp", geometry)
 handle = engine._ensure()
+deadline = time.monotonic() + 20
+while not engine.held and time.monotonic() < deadline:  # confirmed in the background
+    time.sleep(0.01)
 print(handle.pool_id if handle else "-", engine.held, flush=True)
 time.sleep(600)
 """

@@ -193,44 +193,110 @@ def _service_config(retries: int) -> str:
 
 
 class PoolHold:
-    """An open HoldPool stream: the daemon keeps the pool registered while it is
-    open, and unregisters it (releasing its mappings of the engine's memory) once
-    it closes, which also happens when this process exits or dies.
+    """Keeps a HoldPool stream open: the daemon keeps the pool registered while it
+    is open, and unregisters it (releasing its mappings of the engine's memory)
+    once it closes, which also happens when this process exits or dies.
 
-    A background thread owns the stream. ``ended`` is set when the stream is over:
-    :meth:`close`, the pool unregistered or replaced, or the daemon gone (then
-    ``error`` says why, e.g. UNAVAILABLE). Thread-safe; ``close`` is idempotent."""
+    A background thread owns the stream; nothing here blocks the caller. With
+    ``retry``, refusals that may pass (RESOURCE_EXHAUSTED: --max-holds reached;
+    a daemon too busy to answer) are retried with back-off. The hold is over
+    (``ended`` set, ``on_lost(self)`` called unless :meth:`close` ended it) when
+    the pool is gone (unregistered, replaced: the stream ends; NOT_FOUND), the
+    daemon went away or is stopping (UNAVAILABLE: a restarted daemon has no pool;
+    a daemon that saw this connection drop has unregistered it), or the daemon has
+    no HoldPool (UNIMPLEMENTED); ``error`` says which. Thread-safe; :meth:`close`
+    is idempotent."""
 
-    def __init__(self, stub: Any, pool_id: str) -> None:
+    _FINAL = (
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+
+    def __init__(
+        self,
+        stub: Any,
+        pool_id: str,
+        *,
+        retry: bool = False,
+        on_lost: Callable[[PoolHold], None] | None = None,
+        backoff_initial_s: float = 0.2,
+        backoff_max_s: float = 10.0,
+        start: bool = True,
+    ) -> None:
         self.pool_id = pool_id
-        self.established = threading.Event()
+        self.retry = retry
+        self.established = threading.Event()  # the daemon confirmed a hold, once
         self.ended = threading.Event()
         self.error: KVSealRpcError | None = None
-        self._closed = False
-        # No deadline: the stream lives as long as the engine does.
-        self._call = stub.HoldPool(pb.HoldPoolRequest(pool_id=pool_id))
+        self._stub = stub
+        self._on_lost = on_lost
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._live = False
         self._thread = threading.Thread(
             target=self._run, name=f"kvseal-hold-{pool_id}", daemon=True
         )
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        """Open the stream (when made with ``start=False``, e.g. so that the owner
+        can record the hold before ``on_lost`` may fire)."""
         self._thread.start()
 
     def _run(self) -> None:
+        delay, delay_max = self._backoff
         try:
-            for _ in self._call:
-                self.established.set()
-        except grpc.RpcError as e:
-            if not self._closed:
-                self.error = KVSealRpcError.from_rpc(e)
+            while not self._stop.is_set():
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    try:
+                        # No deadline: the stream lives as long as the engine does.
+                        self._call = call = self._stub.HoldPool(
+                            pb.HoldPoolRequest(pool_id=self.pool_id)
+                        )
+                    except ValueError as e:  # the client's channel was closed
+                        self.error = KVSealRpcError(grpc.StatusCode.CANCELLED, "", str(e))
+                        return
+                try:
+                    for _ in call:
+                        self._live = True
+                        self.established.set()
+                        delay = self._backoff[0]
+                    self.error = None
+                    return  # ended by the daemon: the pool was unregistered or replaced
+                except grpc.RpcError as e:
+                    if self._stop.is_set():
+                        return
+                    self.error = KVSealRpcError.from_rpc(e)
+                    if not self.retry or self.error.code in self._FINAL:
+                        return
+                    log.info("kvseal: hold on %s refused, retrying: %s", self.pool_id, self.error)
+                finally:
+                    self._live = False
+                self._stop.wait(delay)
+                delay = min(2 * delay, delay_max)
         finally:
             self.ended.set()
+            if not self._stop.is_set() and self._on_lost is not None:
+                try:
+                    self._on_lost(self)
+                except Exception:  # the engine's callback must not kill this thread
+                    log.exception("kvseal: hold-lost callback failed")
 
     @property
     def active(self) -> bool:
-        return self.established.is_set() and not self.ended.is_set()
+        """The daemon holds the pool for this process right now."""
+        return self._live and not self.ended.is_set()
 
     def wait_established(self, timeout: float) -> bool:
-        """True once the daemon confirmed the hold; False if the stream ended
-        first (``error`` says why) or ``timeout`` passed."""
+        """True once the daemon confirmed the hold; False if the hold ended first
+        (``error`` says why) or ``timeout`` passed."""
         deadline = time.monotonic() + timeout
         while not self.established.is_set() and not self.ended.is_set():
             left = deadline - time.monotonic()
@@ -239,12 +305,17 @@ class PoolHold:
             self.ended.wait(min(left, 0.01))
         return self.established.is_set() and not (self.ended.is_set() and self.error)
 
-    def close(self, timeout: float = 2.0) -> None:
+    def close(self, wait: float = 2.0) -> None:
         """Release the hold: the daemon unregisters the pool (unless another hold on
-        it is open)."""
-        self._closed = True
-        self._call.cancel()
-        self._thread.join(timeout)
+        it is open, or it is gone already). Waits up to ``wait`` seconds for the
+        thread (0: not at all)."""
+        with self._lock:
+            self._stop.set()
+            call = self._call
+        if call is not None:
+            call.cancel()
+        if wait > 0 and self._thread.ident is not None:
+            self._thread.join(wait)
 
 
 class KVSealClient:
@@ -325,7 +396,7 @@ class KVSealClient:
         """Tie the pool's registration to this process (see :class:`PoolHold`).
         Returns once the daemon confirmed the hold; raises KVSealRpcError if it
         refused (NOT_FOUND, RESOURCE_EXHAUSTED, ...) or did not answer in time."""
-        hold = PoolHold(self._stub, pool_id)
+        hold = PoolHold(self._stub, pool_id)  # one attempt: the caller decides
         if hold.wait_established(timeout or self.config.timeout_s):
             return hold
         hold.close()
@@ -469,6 +540,7 @@ class EnginePool:
         self._lock = threading.Lock()
         self._handle: PoolHandle | None = None
         self._hold: PoolHold | None = None
+        self._register_lock = threading.Lock()
         self._closed = False
         self._down_until = 0.0
         self._backoff = client.config.backoff_initial_s
@@ -508,47 +580,98 @@ class EnginePool:
         h = self._handle
         if h is not None:
             return h
-        try:
-            h = self.client.register_pool(self.name, self.model_fingerprint, self.geometry)
-        except KVSealRpcError as e:
-            self._failed(e)
+        # One registration at a time; a caller that finds one under way degrades
+        # rather than wait (and rather than replace the pool the other one makes).
+        if not self._register_lock.acquire(blocking=False):
             return None
-        hold = self._take_hold(h) if self.hold else None
-        with self._lock:
-            self._handle, old = h, self._hold
-            self._hold = hold
+        try:
+            if self._handle is not None:
+                return self._handle
+            try:
+                h = self.client.register_pool(self.name, self.model_fingerprint, self.geometry)
+            except KVSealRpcError as e:
+                self._failed(e)
+                return None
+            hold = (
+                PoolHold(
+                    self.client._stub,
+                    h.pool_id,
+                    retry=True,
+                    on_lost=self._hold_lost,
+                    backoff_initial_s=self.client.config.backoff_initial_s,
+                    backoff_max_s=self.client.config.backoff_max_s,
+                    start=False,
+                )
+                if self.hold
+                else None
+            )
+            old: PoolHold | None = None
+            with self._lock:
+                installed = not self._is_closed()
+                if installed:
+                    self._handle, old = h, self._hold
+                    self._hold = hold
+        finally:
+            self._register_lock.release()
+        if not installed:  # close() ran meanwhile: this registration must not outlive it
+            self._release(h, None)
+            return None
+        if hold is not None:
+            hold.start()  # confirmed in the background: the hot path does not wait
         if old is not None:
-            old.close()  # the previous registration's (already replaced or gone)
+            old.close(wait=0)  # the previous registration's (already replaced or gone)
         return h
 
-    def _take_hold(self, h: PoolHandle) -> PoolHold | None:
-        try:
-            return self.client.hold_pool(h.pool_id)
-        except KVSealRpcError as e:
-            # The pool works without a hold; only its release on engine exit is lost.
-            log.warning("kvseal: pool %s registered without a hold: %s", h.pool_id, e)
-            return None
+    def _is_closed(self) -> bool:
+        return self._closed
+
+    def _hold_lost(self, hold: PoolHold) -> None:
+        """The daemon no longer holds the current registration for us: the pool is
+        gone (daemon restart, replaced) or, after a dropped connection, was
+        unregistered. Register again at the next call; without HoldPool on the
+        daemon (UNIMPLEMENTED), carry on without holds."""
+        err = hold.error
+        with self._lock:
+            if self._hold is not hold:
+                return
+            self._hold = None
+            if err is not None and err.code is grpc.StatusCode.UNIMPLEMENTED:
+                self.hold = False
+                log.warning(
+                    "kvseal: the daemon has no HoldPool; pools are not tied to this process"
+                )
+                return
+            self._handle = None
+        log.info(
+            "kvseal: hold on pool %s ended (%s); registering again",
+            hold.pool_id,
+            err or "pool gone",
+        )
 
     @property
     def held(self) -> bool:
-        """Whether the current registration is tied to this process."""
+        """Whether the daemon holds the current registration for this process."""
         hold = self._hold
         return hold is not None and hold.active
 
     def close(self) -> None:
-        """Release the pool (the daemon unregisters it and unmaps the engine's
-        memory); later calls degrade. Never raises."""
+        """Release the pool: the daemon unregisters it and unmaps the engine's
+        memory before this returns (best effort: never raises); later calls
+        degrade."""
         with self._lock:
             self._closed = True
             h, hold = self._handle, self._hold
             self._handle = self._hold = None
-        if hold is not None and hold.active:
-            hold.close()  # the daemon unregisters the pool when the hold ends
-        elif h is not None:
-            try:
+        self._release(h, hold)
+
+    def _release(self, h: PoolHandle | None, hold: PoolHold | None) -> None:
+        if h is not None:
+            try:  # synchronous: the pool is gone when this returns
                 self.client.unregister_pool(h.pool_id)
             except KVSealRpcError as e:
                 log.info("kvseal: unregister on close: %s", e)
+        if hold is not None:
+            hold.close()  # the pool is gone already: ending the stream releases nothing more
 
     def _guarded(self, call: Callable[[PoolHandle], T], default: T) -> T:
         """Run ``call`` with the pool handle; any RPC failure degrades to

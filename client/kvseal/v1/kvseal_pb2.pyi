@@ -290,7 +290,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("server_instance", "backend", "backend_detail", "host_bytes_capacity", "host_bytes_used", "blocks_ready", "blocks_pending", "blocks_pinned", "pools", "lookups", "lookup_hit_blocks", "offloaded_blocks", "offloaded_bytes", "restored_blocks", "restored_bytes", "evicted_blocks", "dropped_blocks", "integrity_failures", "integrity_policy", "key_epoch", "seals_under_current_key", "rekey_after", "host_region")
+    __slots__ = ("server_instance", "backend", "backend_detail", "host_bytes_capacity", "host_bytes_used", "blocks_ready", "blocks_pending", "blocks_pinned", "pools", "lookups", "lookup_hit_blocks", "offloaded_blocks", "offloaded_bytes", "restored_blocks", "restored_bytes", "evicted_blocks", "dropped_blocks", "integrity_failures", "integrity_policy", "key_epoch", "seals_under_current_key", "rekey_after", "host_region", "pool_holds")
     SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class StatsReply(_message.Message):
     SEALS_UNDER_CURRENT_KEY_FIELD_NUMBER: _ClassVar[int]
     REKEY_AFTER_FIELD_NUMBER: _ClassVar[int]
     HOST_REGION_FIELD_NUMBER: _ClassVar[int]
+    POOL_HOLDS_FIELD_NUMBER: _ClassVar[int]
     server_instance: str
     backend: Backend
     backend_detail: str
@@ -337,7 +338,8 @@ class StatsReply(_message.Message):
     seals_under_current_key: int
     rekey_after: int
     host_region: str
-    def __init__(self, server_instance: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_detail: _Optional[str] = ..., host_bytes_capacity: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., blocks_pending: _Optional[int] = ..., blocks_pinned: _Optional[int] = ..., pools: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., restored_blocks: _Optional[int] = ..., restored_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., integrity_policy: _Optional[str] = ..., key_epoch: _Optional[int] = ..., seals_under_current_key: _Optional[int] = ..., rekey_after: _Optional[int] = ..., host_region: _Optional[str] = ...) -> None: ...
+    pool_holds: int
+    def __init__(self, server_instance: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_detail: _Optional[str] = ..., host_bytes_capacity: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., blocks_pending: _Optional[int] = ..., blocks_pinned: _Optional[int] = ..., pools: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., restored_blocks: _Optional[int] = ..., restored_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., integrity_policy: _Optional[str] = ..., key_epoch: _Optional[int] = ..., seals_under_current_key: _Optional[int] = ..., rekey_after: _Optional[int] = ..., host_region: _Optional[str] = ..., pool_holds: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("tenant",)

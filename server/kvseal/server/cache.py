@@ -251,6 +251,7 @@ class SealedCache:
         )
         return Registered(pool.pool_id, ns, pool.block_bytes)
 
+    @_request
     def unregister_pool(self, pool_id: str) -> None:
         pool = self.pools.remove(pool_id)
         log.info("unregistered pool %s", pool.pool_id)
@@ -258,9 +259,11 @@ class SealedCache:
     # ---------------------------------------------------------------- holds
 
     def hold_pool(self, pool_id: str) -> None:
-        """Count one more HoldPool stream on a registered pool. UnknownPool if it is
-        not registered; CapacityExhausted beyond ``max_holds`` open holds; the caller
-        must :meth:`release_hold` exactly once."""
+        """Count one more HoldPool stream on a registered pool. ShuttingDown while
+        draining; UnknownPool if it is not registered; CapacityExhausted beyond
+        ``max_holds`` open holds. The caller must :meth:`release_hold` exactly once."""
+        if self.draining.is_set():
+            raise ShuttingDown("kvseal is shutting down")
         with self._holds_lock:
             if sum(self._holds.values()) >= self.config.max_holds:
                 raise CapacityExhausted(
@@ -280,14 +283,19 @@ class SealedCache:
                 self._holds[pool_id] = left
                 return False
             self._holds.pop(pool_id, None)
-        if not (holder_left and self._serving and not self.draining.is_set()):
+        if not holder_left or self.draining.is_set():
             return False
         try:
-            self.pools.remove(pool_id)
-        except UnknownPool:
-            return False  # unregistered or replaced meanwhile: nothing to release
+            self.unregister_pool(pool_id)  # a request: close() waits for it
+        except (UnknownPool, ShuttingDown):
+            return False  # unregistered or replaced meanwhile, or stopping: nothing to do
         log.info("unregistered pool %s: its holder (the engine) went away", pool_id)
         return True
+
+    @property
+    def open_holds(self) -> int:
+        with self._holds_lock:
+            return sum(self._holds.values())
 
     # ---------------------------------------------------------------- blocks
 

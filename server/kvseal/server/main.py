@@ -383,7 +383,9 @@ class Daemon:
             cache.observer = Observer(on_transfer=metrics.on_transfer)
         server = grpc.server(
             # Streams (event watchers, pool holds) each keep a thread for their whole
-            # life: they get threads of their own on top of --grpc-threads.
+            # life, so the pool is sized for them on top of --grpc-threads. The
+            # executor is shared (first come, first served): under a burst of long
+            # transfers a new hold may wait, and clients retry it.
             futures.ThreadPoolExecutor(
                 cfg.grpc_threads + cfg.max_watchers + cfg.max_holds,
                 thread_name_prefix="kvseal-rpc",
@@ -391,6 +393,10 @@ class Daemon:
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.so_reuseport", 0),
+                # Find dead peers on half-open connections (tcp://): a hold ends, and
+                # its pool is released, within about 40 s of the engine's host going.
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
             ],
             maximum_concurrent_rpcs=cfg.grpc_threads * 4 + cfg.max_watchers + cfg.max_holds,
         )

@@ -163,6 +163,7 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             blocks_pending=ix.pending,
             blocks_pinned=ix.pinned,
             pools=len(self.cache.pools),
+            pool_holds=self.cache.open_holds,
             lookups=c.lookups,
             lookup_hit_blocks=c.lookup_hit_blocks,
             offloaded_blocks=c.offloaded_blocks,
@@ -204,6 +205,12 @@ class KVSealServicer(pb_grpc.KVSealServicer):
                 if request.pool_id not in self.cache.pools:
                     holder_left = False  # unregistered or replaced: the hold is over
                     return
+        except Exception:
+            if getattr(context, "code", lambda: None)() is not None:  # our own abort
+                raise
+            holder_left = False  # our failure, not the engine's departure
+            log.exception("internal error in HoldPool")
+            context.abort(grpc.StatusCode.INTERNAL, "internal error in kvseal (see daemon log)")
         finally:
             self.cache.release_hold(request.pool_id, holder_left=holder_left)
 

@@ -247,6 +247,11 @@ class _CacheCollector:
             ("kvseal_host_bytes_capacity", "Capacity of the host tier in bytes", ix.capacity_bytes),
             ("kvseal_host_blocks", "Sealed blocks ready in the host tier", ix.ready),
             ("kvseal_registered_pools", "Engine KV pools registered", len(self.cache.pools)),
+            (
+                "kvseal_pool_holds",
+                "Open HoldPool streams (pools tied to a live engine process)",
+                self.cache.open_holds,
+            ),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
