@@ -146,3 +146,20 @@ def test_pool_unknown_is_reregistered_transparently(
     assert engine.lookup(tenant, chain) == 0  # this call degrades...
     assert engine.lookup(tenant, chain) == 2  # ...the next re-registers; blocks outlive pools
     client.close()
+
+
+def test_engine_pool_after_client_close_degrades(
+    daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    """An engine shutting down may close its client before its last calls: they
+    degrade like any other failure, they do not raise."""
+    pool = pool_factory(num_pages=2)
+    client, engine = _engine(daemon.target, pool)
+    tenant = tenant_digest(None)
+    chain = chain_block_hashes(list(range(8)), 4)
+    assert engine.lookup(tenant, chain) == 0
+    client.close()
+    assert engine.lookup(tenant, chain) == 0
+    assert engine.offload(tenant, chain, [0, 1]) is False
+    assert engine.restore(tenant, chain, [0, 1]) is False
+    engine.close()  # never raises either

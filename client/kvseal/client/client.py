@@ -358,6 +358,8 @@ class KVSealClient:
             return fn(request, timeout=timeout or self.config.timeout_s, metadata=_trace_metadata())
         except grpc.RpcError as e:
             raise KVSealRpcError.from_rpc(e) from None
+        except ValueError as e:  # grpc: "Cannot invoke RPC on closed channel!"
+            raise KVSealRpcError(grpc.StatusCode.CANCELLED, "", f"client closed: {e}") from None
 
     # ------------------------------------------------------------ API
 
