@@ -273,24 +273,23 @@ class SealedCache:
                 raise UnknownPool(f"pool {pool_id!r} is not registered")
             self._holds[pool_id] = self._holds.get(pool_id, 0) + 1
 
-    def release_hold(self, pool_id: str, *, holder_left: bool) -> bool:
+    def release_hold(self, pool_id: str, *, holder_left: bool) -> None:
         """End one hold. If the holder went away (``holder_left``), the daemon is
         serving and no other hold on the pool is open, unregister the pool, which
-        releases its mappings once no request uses it. Returns whether it did."""
+        releases its mappings once no request uses it."""
         with self._holds_lock:
             left = self._holds.get(pool_id, 0) - 1
             if left > 0:
                 self._holds[pool_id] = left
-                return False
+                return
             self._holds.pop(pool_id, None)
         if not holder_left or self.draining.is_set():
-            return False
+            return
         try:
             self.unregister_pool(pool_id)  # a request: close() waits for it
         except (UnknownPool, ShuttingDown):
-            return False  # unregistered or replaced meanwhile, or stopping: nothing to do
+            return  # unregistered or replaced meanwhile, or stopping: nothing to do
         log.info("unregistered pool %s: its holder (the engine) went away", pool_id)
-        return True
 
     @property
     def open_holds(self) -> int:

@@ -33,6 +33,11 @@ def _abort(context: grpc.ServicerContext, err: KVSealError) -> Any:
     context.abort(err.code, err.message)
 
 
+def _aborted(context: grpc.ServicerContext) -> bool:
+    """Whether grpc (or our own ``_abort``) already set a final status."""
+    return getattr(context, "code", lambda: None)() is not None
+
+
 def handler(fn: Callable[..., R]) -> Callable[..., R]:
     """Map exceptions to statuses; report (method, code) to ``self.on_done``."""
 
@@ -58,7 +63,7 @@ def handler(fn: Callable[..., R]) -> Callable[..., R]:
             return _abort(context, e)  # type: ignore[no-any-return]
         except Exception:
             code = grpc.StatusCode.INTERNAL
-            if getattr(context, "code", lambda: None)() is not None:  # aborted by grpc itself
+            if _aborted(context):
                 raise
             log.exception("internal error in %s", fn.__name__)
             context.abort(grpc.StatusCode.INTERNAL, "internal error in kvseal (see daemon log)")
@@ -206,7 +211,7 @@ class KVSealServicer(pb_grpc.KVSealServicer):
                     holder_left = False  # unregistered or replaced: the hold is over
                     return
         except Exception:
-            if getattr(context, "code", lambda: None)() is not None:  # our own abort
+            if _aborted(context):
                 raise
             holder_left = False  # our failure, not the engine's departure
             log.exception("internal error in HoldPool")
