@@ -54,6 +54,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BACKEND_MISMATCH: _ClassVar[ErrorReason]
     SHUTTING_DOWN: _ClassVar[ErrorReason]
     ENGINE_NOT_READY: _ClassVar[ErrorReason]
+    DEADLINE_PASSED: _ClassVar[ErrorReason]
+    CANCELLED: _ClassVar[ErrorReason]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_CPU: Backend
 BACKEND_CUDA: Backend
@@ -84,6 +86,8 @@ HANDLE_UNUSABLE: ErrorReason
 BACKEND_MISMATCH: ErrorReason
 SHUTTING_DOWN: ErrorReason
 ENGINE_NOT_READY: ErrorReason
+DEADLINE_PASSED: ErrorReason
+CANCELLED: ErrorReason
 
 class BufferHandle(_message.Message):
     __slots__ = ("shm_name", "cuda_ipc_handle", "offset", "size", "device")
@@ -216,20 +220,22 @@ class TouchReply(_message.Message):
     def __init__(self, touched: _Optional[int] = ...) -> None: ...
 
 class OffloadRequest(_message.Message):
-    __slots__ = ("pool_id", "tenant", "parent_hash", "block_hashes", "page_ids", "cuda_event_ipc_handle")
+    __slots__ = ("pool_id", "tenant", "parent_hash", "block_hashes", "page_ids", "cuda_event_ipc_handle", "grace_ms")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     CUDA_EVENT_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    GRACE_MS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     tenant: bytes
     parent_hash: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     cuda_event_ipc_handle: bytes
-    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., cuda_event_ipc_handle: _Optional[bytes] = ...) -> None: ...
+    grace_ms: int
+    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., cuda_event_ipc_handle: _Optional[bytes] = ..., grace_ms: _Optional[int] = ...) -> None: ...
 
 class OffloadReply(_message.Message):
     __slots__ = ("outcomes", "stored_blocks", "stored_bytes", "evicted_blocks")
@@ -244,20 +250,22 @@ class OffloadReply(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[OffloadOutcome, str]]] = ..., stored_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("pool_id", "tenant", "block_hashes", "page_ids", "release", "cuda_event_ipc_handle")
+    __slots__ = ("pool_id", "tenant", "block_hashes", "page_ids", "release", "cuda_event_ipc_handle", "grace_ms")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     CUDA_EVENT_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    GRACE_MS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     tenant: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     release: bool
     cuda_event_ipc_handle: bytes
-    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., release: _Optional[bool] = ..., cuda_event_ipc_handle: _Optional[bytes] = ...) -> None: ...
+    grace_ms: int
+    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., release: _Optional[bool] = ..., cuda_event_ipc_handle: _Optional[bytes] = ..., grace_ms: _Optional[int] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
     __slots__ = ("restored_blocks", "restored_bytes")

@@ -13,6 +13,12 @@ The contract every backend keeps (the CUDA backend in ``cuda/`` too):
   the plaintext into the destination pages. It returns the indices of blocks
   that failed; if any failed, not one byte was written to the engine's pool.
 
+Both take a :class:`~kvseal.server.deadline.Deadline` and call its ``check``
+before every block they read from or write to the pool (each touch is one
+block, so bounded); when it raises they stop, wait for every thread or stream
+they started, and raise it: a request that failed touches no page afterwards
+(the engine contract, ``kvseal.server.deadline``).
+
 Page ids and extents are validated by the caller before these are called.
 """
 
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from kvseal.server import telemetry
+from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import BadRequest, HandleUnusable, ShuttingDown
 from kvseal.server.hostregion import Extent, HostRegion
 from kvseal.server.memcopy import Pinned, memmove
@@ -93,6 +100,7 @@ class Backend(Protocol):
         blocks: Sequence[BlockIO],
         region: Region,
         wait_event: bytes | None = None,
+        deadline: Deadline = NO_DEADLINE,
     ) -> list[SealRecord]: ...
 
     def open_blocks(
@@ -102,6 +110,7 @@ class Backend(Protocol):
         records: Sequence[SealRecord],
         region: Region,
         wait_event: bytes | None = None,
+        deadline: Deadline = NO_DEADLINE,
     ) -> list[int]: ...
 
     def close(self) -> None: ...

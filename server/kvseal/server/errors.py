@@ -95,6 +95,23 @@ class EngineNotReady(KVSealError):
     reason = "ENGINE_NOT_READY"
 
 
+class DeadlinePassed(KVSealError):
+    """The request's cutoff (its deadline less the client's grace) passed: the
+    daemon stopped before touching another page and published nothing it read
+    for the request (see ``kvseal.server.deadline``)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "DEADLINE_PASSED"
+
+
+class RequestCancelled(KVSealError):
+    """The call ended early (cancelled, or its connection dropped): the daemon
+    stopped at its next page touch and published nothing for the request."""
+
+    code = grpc.StatusCode.CANCELLED
+    reason = "CANCELLED"
+
+
 class EventsOverflow(KVSealError):
     """A WatchEvents subscriber fell behind; it must resubscribe and resync."""
 
