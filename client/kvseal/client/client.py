@@ -76,6 +76,11 @@ class ClientConfig:
     timeout_s: float = 2.0  # control calls (register, stats, drop)
     lookup_timeout_s: float = 0.2  # hot-path lookups
     transfer_timeout_s: float = 30.0  # offload/restore: large batches move GBs
+    # Engine contract (README "Engine contract"): the daemon stops touching a
+    # transfer's pages this long before the call's gRPC deadline, and a failure
+    # the daemon did not report itself is returned no earlier than that
+    # deadline. Must cover the request's transit plus one block's copy.
+    transfer_grace_s: float = 1.0
     retries: int = 3  # attempts for idempotent calls, first one included
     backoff_initial_s: float = 0.2  # EnginePool: pause after a failure...
     backoff_max_s: float = 10.0  # ...doubling up to this
@@ -87,6 +92,8 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if min(self.timeout_s, self.lookup_timeout_s, self.transfer_timeout_s) <= 0:
             raise ValueError("timeouts must be positive")
+        if not 0.05 <= self.transfer_grace_s <= 60:
+            raise ValueError("transfer_grace_s must be in 0.05..60 seconds")
         if not 1 <= self.retries <= 5:
             raise ValueError("retries must be in 1..5 (gRPC caps attempts at 5)")
 
@@ -352,6 +359,41 @@ class KVSealClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _transfer(self, method: str, request: Any, timeout: float) -> Any:
+        """Run an Offload/Restore under the engine contract.
+
+        The daemon stops touching the request's pages at the cutoff (``timeout``
+        from now, as the daemon measures it) and answers then; the gRPC deadline
+        is ``timeout + transfer_grace_s``. A failure the daemon reported itself
+        (any status with a ``kvseal-error`` reason) means the request is over:
+        it is raised at once. Any other failure (our own deadline, a dropped
+        connection, a closed channel) says nothing about what the daemon is
+        still doing, so it is raised only once the gRPC deadline has passed or
+        the daemon is known to be gone; by then the daemon has stopped.
+        """
+        grace = self.config.transfer_grace_s
+        request.grace_ms = round(grace * 1000)
+        give_up = time.monotonic() + timeout + grace
+        try:
+            return self._call(method, request, timeout + grace)
+        except KVSealRpcError as e:
+            if not e.reason:
+                self._settle(give_up)
+            raise
+
+    def _settle(self, give_up: float) -> None:
+        """Wait until ``give_up`` (monotonic) or until the daemon is gone."""
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0 or self._daemon_gone():
+                return
+            time.sleep(min(left, 0.01))
+
+    def _daemon_gone(self) -> bool:
+        """True only when the daemon process is known to be gone (its lock
+        released by the kernel): it can touch no page any more."""
+        return False
+
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         fn = getattr(self._stub, method)
         try:
@@ -432,8 +474,15 @@ class KVSealClient:
     ) -> OffloadResult:
         """Seal and store pages. ``cuda_event_ipc_handle`` (CUDA backend): an
         interprocess event recorded after the engine wrote the pages; without
-        it the engine must have synchronised its stream first."""
-        r = self._call(
+        it the engine must have synchronised its stream first.
+
+        The pages belong to kvseal until this returns. On success every block
+        was read. On any KVSealRpcError the daemon reads none of the pages any
+        more and publishes nothing it read after the failure: the engine may
+        overwrite the pages at once. (A failed offload may still have stored
+        blocks whose bytes it read before, while they still held this
+        request's KV: a later hit on them is correct.)"""
+        r = self._transfer(
             "Offload",
             pb.OffloadRequest(
                 pool_id=pool_id,
@@ -458,10 +507,17 @@ class KVSealClient:
         cuda_event_ipc_handle: bytes = b"",
     ) -> RestoreResult:
         """Verify and write blocks into pages; returns once the bytes are in
-        place. All-or-nothing: on any error no page was written.
-        ``cuda_event_ipc_handle``: an interprocess event recorded after the
-        engine's last use of the destination pages."""
-        r = self._call(
+        place. ``cuda_event_ipc_handle``: an interprocess event recorded after
+        the engine's last use of the destination pages.
+
+        The pages belong to kvseal until this returns. On success every page
+        holds its verified block. On any KVSealRpcError the daemon writes none
+        of the pages any more, so the engine may reuse them at once; what they
+        hold then is unspecified but never unverified bytes (nothing is written
+        unless every block of the request verified; only a restore stopped in
+        the middle of its writes, which takes a daemon starved for half the
+        grace, leaves some pages holding their verified blocks)."""
+        r = self._transfer(
             "Restore",
             pb.RestoreRequest(
                 pool_id=pool_id,

@@ -56,6 +56,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_NOT_READY: _ClassVar[ErrorReason]
     DEADLINE_PASSED: _ClassVar[ErrorReason]
     CANCELLED: _ClassVar[ErrorReason]
+    INTERNAL_ERROR: _ClassVar[ErrorReason]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_CPU: Backend
 BACKEND_CUDA: Backend
@@ -88,6 +89,7 @@ SHUTTING_DOWN: ErrorReason
 ENGINE_NOT_READY: ErrorReason
 DEADLINE_PASSED: ErrorReason
 CANCELLED: ErrorReason
+INTERNAL_ERROR: ErrorReason
 
 class BufferHandle(_message.Message):
     __slots__ = ("shm_name", "cuda_ipc_handle", "offset", "size", "device")

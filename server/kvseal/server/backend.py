@@ -342,6 +342,7 @@ class CpuBackend:
         blocks: Sequence[BlockIO],
         region: Region,
         wait_event: bytes | None = None,
+        deadline: Deadline = NO_DEADLINE,
     ) -> list[SealRecord]:
         assert isinstance(pool, CpuMappedPool)
         self._no_event(wait_event)
@@ -351,6 +352,9 @@ class CpuBackend:
             records: list[SealRecord] = []
             try:
                 for blk in blocks[a:b]:
+                    # Before every page read: past the cutoff the engine may
+                    # already own this page again (see kvseal.server.deadline).
+                    deadline.check(f"page {blk.page}")
                     sealed, addr = self._scratch.get(blk.size)
                     pool.gather(blk.page, addr)
                     rec = self._sealer.seal_into(sealed[: blk.size], blk.ad, sealed)
@@ -381,6 +385,7 @@ class CpuBackend:
         records: Sequence[SealRecord],
         region: Region,
         wait_event: bytes | None = None,
+        deadline: Deadline = NO_DEADLINE,
     ) -> list[int]:
         assert isinstance(pool, CpuMappedPool)
         self._no_event(wait_event)
@@ -397,6 +402,7 @@ class CpuBackend:
         def work(a: int, b: int) -> list[int]:
             failed = []
             for i in range(a, b):
+                deadline.check("verification")  # no page is touched here: stop early
                 blk, rec = blocks[i], records[i]
                 sealed = staging[offsets[i] : offsets[i + 1]]
                 got = region.read_into(blk.extent.offset, sealed[: blk.size])
@@ -419,6 +425,9 @@ class CpuBackend:
             if not failed:
                 if self.stopping.is_set():  # e.g. another request saw an integrity failure
                     raise ShuttingDown("kvseal stopped serving; nothing was restored")
+                # The scatter is the restore's commit: it starts only before the
+                # cutoff, then runs to ``commit_by`` (see kvseal.server.deadline).
+                deadline.check("the first destination page")
                 pool.check()
                 with telemetry.stage("scatter"):
                     pin = Pinned(staging_buf)
@@ -426,6 +435,7 @@ class CpuBackend:
 
                     def scatter(a: int, b: int) -> list[None]:
                         for i in range(a, b):
+                            deadline.check_commit("writing the verified blocks")
                             pool.scatter(blocks[i].page, base + offsets[i])
                         return []
 

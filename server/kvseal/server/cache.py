@@ -19,6 +19,7 @@ from typing import Any, TypeVar, cast
 from kvseal.server import telemetry
 from kvseal.server.backend import Backend, BlockIO, Region
 from kvseal.server.config import IntegrityPolicy, ServerConfig
+from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import (
     BackendMismatch,
     BadRequest,
@@ -328,7 +329,12 @@ class SealedCache:
         hashes: Sequence[bytes],
         pages: Sequence[int],
         wait_event: bytes | None = None,
+        deadline: Deadline = NO_DEADLINE,
     ) -> OffloadResult:
+        """Seal and store pages. ``deadline``: the engine contract (see
+        ``kvseal.server.deadline``): no page is read once it has passed, and
+        the sealed blocks are published only while the commit window is open;
+        on any failure nothing read for this request is published."""
         self._check_tenant(tenant)
         self._check_hashes(hashes)
         if parent_hash is not None and len(parent_hash) != HASH_BYTES:
@@ -339,6 +345,8 @@ class SealedCache:
         with self.pools.use(pool_id) as pool:
             self._check_pages(pool, hashes, pages)
             ns, size = pool.namespace, pool.block_bytes
+            # What can fail before sealing fails before anything is reserved.
+            deadline.check("the first page")
             with telemetry.stage("reserve"):
                 plan = self.index.begin_store(ns, tenant, parent_hash, hashes, size)
                 telemetry.annotate(evicted_blocks=len(plan.evicted), new_blocks=len(plan.new))
@@ -355,18 +363,25 @@ class SealedCache:
             try:
                 with telemetry.stage("seal", blocks=len(blocks), bytes=len(blocks) * size):
                     records = (
-                        self.backend.seal_blocks(pool.mapped, blocks, self.region, wait_event)
+                        self.backend.seal_blocks(
+                            pool.mapped, blocks, self.region, wait_event, deadline=deadline
+                        )
                         if blocks
                         else []
                     )
             except BaseException:
                 self.index.complete_store(plan.new, [None] * len(plan.new))
                 raise
-            if not self._serving:  # stopped (abort) while sealing: publish nothing
+            try:
+                if not self._serving:  # stopped (abort) while sealing: publish nothing
+                    raise ShuttingDown("kvseal stopped serving while this offload ran")
+                # Publishing is this request's commit (kvseal.server.deadline).
+                deadline.check_commit("publishing the sealed blocks")
+            except BaseException:
                 self.index.complete_store(plan.new, [None] * len(plan.new))
                 for rec in records:
                     self.sealer.forget(rec.epoch)
-                raise ShuttingDown("kvseal stopped serving while this offload ran")
+                raise
             with telemetry.stage("commit"):
                 self.index.complete_store(plan.new, records)
             elapsed = time.perf_counter() - t0
@@ -396,12 +411,18 @@ class SealedCache:
         *,
         release: bool,
         wait_event: bytes | None = None,
+        deadline: Deadline = NO_DEADLINE,
     ) -> RestoreResult:
+        """Verify blocks and write them into pages, all or none. ``deadline``:
+        the engine contract (``kvseal.server.deadline``): the writes start only
+        before the cutoff, and no page is written once a failure can have
+        reached the engine."""
         self._check_tenant(tenant)
         self._check_hashes(hashes)
         self._check_event(wait_event)
         with self.pools.use(pool_id) as pool:
             self._check_pages(pool, hashes, pages)
+            deadline.check("the first page")
             ns = pool.namespace
             telemetry.annotate(
                 pool=pool_id,
@@ -424,7 +445,7 @@ class SealedCache:
                 t0 = time.perf_counter()
                 with telemetry.stage("open", blocks=len(blocks)):
                     failed_idx = self.backend.open_blocks(
-                        pool.mapped, blocks, records, self.region, wait_event
+                        pool.mapped, blocks, records, self.region, wait_event, deadline=deadline
                     )
                 elapsed = time.perf_counter() - t0
             except BaseException:

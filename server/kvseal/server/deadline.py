@@ -16,6 +16,14 @@ take less than the grace. Backends call :meth:`Deadline.check` before every
 block they read from or write to a pool, and before a store is published, and
 keep each touch bounded (one block).
 
+Some steps must not be cut in half: a restore writes either all of its verified
+blocks or none, and an offload publishes all its sealed blocks or none. Those
+*commit* steps start only before the cutoff and then run on until ``commit_by``
+(the cutoff plus half the grace): a commit that began in time finishes before
+the client gives up, and one that overran it (the daemon was starved for half
+a second) stops at the next block, so nothing is written after the client saw
+its failure.
+
 A deadline is also cancelled when the RPC ends early (the client cancelled or
 its connection dropped): the daemon then stops at the next check instead of
 running to the cutoff; the client still waits for the cutoff or for the daemon
@@ -41,22 +49,41 @@ class Deadline:
     Thread-safe: backends check it from their worker threads.
     """
 
-    __slots__ = ("cancelled", "cutoff", "stopping")
+    __slots__ = ("cancelled", "commit_by", "cutoff", "stopping")
 
     def __init__(
         self,
         cutoff: float | None = None,
         cancelled: threading.Event | None = None,
         stopping: threading.Event | None = None,
+        commit_by: float | None = None,
     ) -> None:
         self.cutoff = cutoff
+        self.commit_by = cutoff if commit_by is None else commit_by
         self.cancelled = cancelled
         self.stopping = stopping
 
     @classmethod
-    def after(cls, seconds: float) -> Deadline:
+    def after(cls, seconds: float, grace: float = 0.0) -> Deadline:
         """A cutoff ``seconds`` from now (tests and in-process callers)."""
-        return cls(time.monotonic() + seconds)
+        cutoff = time.monotonic() + seconds
+        return cls(cutoff, commit_by=cutoff + grace / 2)
+
+    @classmethod
+    def for_rpc(
+        cls,
+        time_remaining: float | None,
+        grace_s: float,
+        cancelled: threading.Event | None,
+        stopping: threading.Event | None,
+    ) -> Deadline:
+        """The deadline of an RPC with ``time_remaining`` seconds left on its
+        gRPC deadline (None or huge: none) whose client declared ``grace_s``."""
+        if time_remaining is None or time_remaining > 1e7:
+            return cls(None, cancelled, stopping)
+        now = time.monotonic()
+        hard = now + time_remaining
+        return cls(hard - grace_s, cancelled, stopping, commit_by=hard - grace_s / 2)
 
     def remaining(self) -> float | None:
         """Seconds left before the cutoff (negative once passed), or None."""
@@ -77,11 +104,21 @@ class Deadline:
                 f"the request's deadline passed before {what} was touched; "
                 "no page was read or written after it"
             )
-        if self.cancelled is not None and self.cancelled.is_set():
-            raise RequestCancelled(
-                f"the call was cancelled before {what} was touched; "
-                "no page was read or written after it"
+        self._check_live()
+
+    def check_commit(self, what: str) -> None:
+        """Like :meth:`check`, against ``commit_by``: called inside a commit
+        step (see the module docstring) that began before the cutoff."""
+        if self.commit_by is not None and time.monotonic() >= self.commit_by:
+            raise DeadlinePassed(
+                f"the request's deadline passed while {what}; it was stopped before the "
+                "client could see the failure, and nothing was touched after it"
             )
+        self._check_live()
+
+    def _check_live(self) -> None:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise RequestCancelled("the call was cancelled; no page was read or written after it")
         if self.stopping is not None and self.stopping.is_set():
             raise ShuttingDown("kvseal stopped serving; no page was touched after that")
 

@@ -18,7 +18,14 @@ from typing import Any, TypeVar
 import grpc
 from kvseal.server import convert, telemetry
 from kvseal.server.cache import SealedCache
-from kvseal.server.errors import ERROR_METADATA_KEY, EventsOverflow, KVSealError, ShuttingDown
+from kvseal.server.deadline import MAX_GRACE_MS, Deadline
+from kvseal.server.errors import (
+    ERROR_METADATA_KEY,
+    BadRequest,
+    EventsOverflow,
+    KVSealError,
+    ShuttingDown,
+)
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
 from opentelemetry import trace
@@ -66,6 +73,9 @@ def handler(fn: Callable[..., R]) -> Callable[..., R]:
             if _aborted(context):
                 raise
             log.exception("internal error in %s", fn.__name__)
+            # A reason in the trailers tells the client this is the daemon's
+            # verdict: the request is over and touches no page any more.
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, "INTERNAL_ERROR"),))
             context.abort(grpc.StatusCode.INTERNAL, "internal error in kvseal (see daemon log)")
             raise
         finally:
@@ -73,6 +83,21 @@ def handler(fn: Callable[..., R]) -> Callable[..., R]:
                 self.on_done(fn.__name__, code)
 
     return wrapper
+
+
+def _transfer_deadline(
+    context: grpc.ServicerContext, grace_ms: int, stopping: threading.Event
+) -> Deadline:
+    """The engine-contract deadline of an Offload/Restore (``kvseal.server.deadline``):
+    its gRPC deadline less the client's grace, cancelled when the RPC ends early."""
+    if grace_ms > MAX_GRACE_MS:
+        raise BadRequest(f"grace_ms={grace_ms} is over the limit of {MAX_GRACE_MS}")
+    cancelled = threading.Event()
+    # Fires when the RPC terminates (cancelled, disconnected, deadline); False
+    # means it is over already.
+    if not context.add_callback(cancelled.set):
+        cancelled.set()
+    return Deadline.for_rpc(context.time_remaining(), grace_ms / 1000, cancelled, stopping)
 
 
 class KVSealServicer(pb_grpc.KVSealServicer):
@@ -121,6 +146,7 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             list(request.block_hashes),
             list(request.page_ids),
             wait_event=request.cuda_event_ipc_handle or None,
+            deadline=_transfer_deadline(context, request.grace_ms, self.cache.backend.stopping),
         )
         return pb.OffloadReply(
             outcomes=[convert.OUTCOME_ENUMS[o] for o in res.outcomes],
@@ -138,6 +164,7 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             list(request.page_ids),
             release=request.release,
             wait_event=request.cuda_event_ipc_handle or None,
+            deadline=_transfer_deadline(context, request.grace_ms, self.cache.backend.stopping),
         )
         return pb.RestoreReply(
             restored_blocks=res.restored_blocks, restored_bytes=res.restored_bytes
