@@ -267,9 +267,7 @@ def test_engine_pool_registers_again_when_its_pool_is_taken_away(
         with daemon.client() as c:
             c.unregister_pool(first.pool_id)
         # Registered again in the background (no engine call needed).
-        _until(
-            lambda: engine.held and engine.handle not in (None, first), "the new registration"
-        )
+        _until(lambda: engine.held and engine.handle not in (None, first), "the new registration")
         assert engine.handle is not None and engine.handle.pool_id != first.pool_id
         assert _pools(daemon) == 1
     finally:

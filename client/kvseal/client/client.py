@@ -760,9 +760,9 @@ class EnginePool:
         self._reg_state = state
         if err.reason == "POOL_NAME_TAKEN":
             log.error(
-                "kvseal: pool name %r is held by another engine (%s); this engine runs "
-                "without the kvseal tier (lookups miss, offloads are dropped) and retries "
-                "with back-off until that engine's hold ends. Give each engine its own name.",
+                "kvseal: pool name %r is held by another engine; this engine runs without "
+                "the kvseal tier (lookups miss, offloads are dropped) and retries with "
+                "back-off until that engine's hold ends. The daemon says: %s",
                 self.name,
                 err.details,
             )
