@@ -12,8 +12,9 @@ Two layers:
   raises and never waits past its deadline: errors become a miss (lookup),
   a dropped offload, or a failed restore (the engine recomputes). After a
   failure it stops calling for a short, growing back-off, so a dead daemon
-  costs the engine nothing; it re-registers its pool when the daemon reports
-  the pool unknown (daemon restart: new key, empty cache).
+  costs the engine nothing. Registration (and re-registration when the pool
+  is lost: daemon restart, new key, empty cache) runs on a background thread,
+  never on the hot path.
 """
 
 from __future__ import annotations
