@@ -68,6 +68,7 @@ def test_hung_then_killed_mid_call(
     tenant = tenant_digest(None)
     chain = chain_block_hashes(list(range(16)), 4)
     client, engine = _engine(daemon.target, pool)
+    assert engine.wait_ready(10) is not None  # registration runs in the background
     assert engine.offload(tenant, chain, [0, 1, 2, 3]) is True
     poison(pool, [0, 1, 2, 3])
     os.kill(daemon.proc.pid, signal.SIGSTOP)  # the daemon hangs
@@ -102,6 +103,7 @@ def test_restart_reregisters_and_cache_starts_empty(
     d1 = start_daemon(tmp_path / "a")
     client, engine = _engine(d1.target, pool)
     try:
+        assert engine.wait_ready(10) is not None  # registration runs in the background
         assert engine.offload(tenant, chain, [0, 1])
         first = engine.handle
         assert first is not None and engine.lookup(tenant, chain) == 2
@@ -139,12 +141,18 @@ def test_pool_unknown_is_reregistered_transparently(
     tenant = tenant_digest(None)
     chain = chain_block_hashes(list(range(8)), 4)
     client, engine = _engine(daemon.target, pool)
+    assert engine.wait_ready(10) is not None  # registration runs in the background
     assert engine.offload(tenant, chain, [0, 1])
     h = engine.handle
     assert h is not None
     client.unregister_pool(h.pool_id)  # e.g. an operator, or a replaced pool
-    assert engine.lookup(tenant, chain) == 0  # this call degrades...
-    assert engine.lookup(tenant, chain) == 2  # ...the next re-registers; blocks outlive pools
+    # Calls degrade (0) until the pool is registered again, in the background,
+    # with no help from the caller; then the blocks are found: they outlive pools.
+    deadline = time.monotonic() + 10
+    while engine.lookup(tenant, chain) != 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.handle is not None and engine.handle.pool_id != h.pool_id
+    assert engine.lookup(tenant, chain) == 2
     client.close()
 
 

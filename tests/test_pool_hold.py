@@ -33,7 +33,7 @@ shape = KVShape(num_pages=4, dtype="bfloat16", tokens_per_page=4, num_layers=2,
 pool = SharedKVPool(shape, "vllm_per_layer", name_prefix="kvseal-test")
 engine = EnginePool(KVSealClient(ClientConfig(target=sys.argv[1])), "engine", b"fp",
                     pool.geometry())
-handle = engine._ensure()
+handle = engine.wait_ready(20)
 deadline = time.monotonic() + 20
 while not engine.held and time.monotonic() < deadline:  # confirmed in the background
     time.sleep(0.01)
@@ -123,10 +123,17 @@ def test_hold_lifecycle(daemon: DaemonProc, pool_factory: Callable[..., SharedKV
         _until(lambda: c.stats().pools == 0, "the pool to be unregistered")
         assert c.stats().pool_holds == 0
 
-        # Replaced under the same name: the old hold ends (OK), the new pool stays.
+        # A held name is not taken over by another engine (no owner token)...
         old = c.register_pool("b", FP, pool.geometry())
         hold = c.hold_pool(old.pool_id)
-        new = c.register_pool("b", FP, pool.geometry())
+        with pytest.raises(KVSealRpcError) as ei:
+            c.register_pool("b", FP, pool.geometry())
+        assert ei.value.code is grpc.StatusCode.ALREADY_EXISTS
+        assert ei.value.reason == "POOL_NAME_TAKEN"
+        assert hold.active and c.stats().pools == 1
+        # ...but its owner replaces it: the old hold ends (OK), the new pool stays.
+        new = c.register_pool("b", FP, pool.geometry(), owner_token=old.owner_token)
+        assert new.pool_id != old.pool_id and new.owner_token == old.owner_token
         assert hold.ended.wait(10) and hold.error is None
         assert c.stats().pools == 1
         c.lookup(new.pool_id, tenant_digest(None), [b"\0" * 32])  # still registered
@@ -154,7 +161,7 @@ def test_engine_pool_holds_and_close_releases(
         assert _pools(daemon) == 0
         # Without a hold (e.g. an older daemon), close unregisters directly.
         bare = EnginePool(client, "bare", FP, pool.geometry(), hold=False)
-        bare.lookup(tenant_digest(None), [b"\0" * 32])
+        assert bare.wait_ready(10) is not None
         assert not bare.held and _pools(daemon) == 1
         bare.close()
         assert _pools(daemon) == 0
@@ -232,6 +239,7 @@ def test_engine_pool_retries_a_refused_hold(
     try:
         a.lookup(tenant_digest(None), [b"\0" * 32])
         _until(lambda: a.held, "a's hold")
+        assert b.wait_ready(10) is not None
         assert b.lookup(tenant_digest(None), [b"\0" * 32]) == 0  # works, unheld
         assert not b.held and _pools(d) == 2
         a.close()
@@ -258,9 +266,8 @@ def test_engine_pool_registers_again_when_its_pool_is_taken_away(
         assert first is not None
         with daemon.client() as c:
             c.unregister_pool(first.pool_id)
-        _until(lambda: engine.handle is None, "the engine to notice")
-        engine.lookup(tenant_digest(None), [b"\0" * 32])
-        _until(lambda: engine.held, "the new hold")
+        # Registered again in the background (no engine call needed).
+        _until(lambda: engine.held and engine.handle not in (None, first), "the new registration")
         assert engine.handle is not None and engine.handle.pool_id != first.pool_id
         assert _pools(daemon) == 1
     finally:

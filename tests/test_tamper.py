@@ -193,6 +193,7 @@ def test_attack_rejected_abort_policy(
     poison(s.pool, [2, 3])
     with s.d.client() as c:
         engine = EnginePool(c, "engine", FP, s.pool.geometry())
+        assert engine.wait_ready(10) is not None  # registration runs in the background
         # The engine's hot-path wrapper degrades: no exception, "recompute".
         assert engine.restore(s.tenant, s.chain, [2, 3]) is False
         assert is_poisoned(s.pool, 2) and is_poisoned(s.pool, 3)

@@ -471,7 +471,7 @@ torch.cuda.synchronize()
 geometry = geometry_from_tensors(layers, 1, layout_name=BLOCK_ORDER, tokens_per_page=16,
                                  num_layers=64, num_kv_heads=8, head_dim=128)
 engine = EnginePool(KVSealClient(ClientConfig(target=sys.argv[1])), "doomed", b"fp", geometry)
-handle = engine._ensure()
+handle = engine.wait_ready(20)
 deadline = time.monotonic() + 20
 while not engine.held and time.monotonic() < deadline:  # confirmed in the background
     time.sleep(0.01)

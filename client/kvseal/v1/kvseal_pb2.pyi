@@ -56,6 +56,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_NOT_READY: _ClassVar[ErrorReason]
     DEADLINE_PASSED: _ClassVar[ErrorReason]
     CANCELLED: _ClassVar[ErrorReason]
+    POOL_NAME_TAKEN: _ClassVar[ErrorReason]
     INTERNAL_ERROR: _ClassVar[ErrorReason]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_CPU: Backend
@@ -89,6 +90,7 @@ SHUTTING_DOWN: ErrorReason
 ENGINE_NOT_READY: ErrorReason
 DEADLINE_PASSED: ErrorReason
 CANCELLED: ErrorReason
+POOL_NAME_TAKEN: ErrorReason
 INTERNAL_ERROR: ErrorReason
 
 class BufferHandle(_message.Message):
@@ -140,30 +142,34 @@ class PoolGeometry(_message.Message):
     def __init__(self, num_pages: _Optional[int] = ..., tokens_per_page: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("name", "model_fingerprint", "geometry", "backend")
+    __slots__ = ("name", "model_fingerprint", "geometry", "backend", "owner_token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_fingerprint: bytes
     geometry: PoolGeometry
     backend: Backend
-    def __init__(self, name: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ...) -> None: ...
+    owner_token: bytes
+    def __init__(self, name: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterPoolReply(_message.Message):
-    __slots__ = ("pool_id", "namespace", "block_bytes", "backend", "server_instance")
+    __slots__ = ("pool_id", "namespace", "block_bytes", "backend", "server_instance", "owner_token")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     namespace: bytes
     block_bytes: int
     backend: Backend
     server_instance: str
-    def __init__(self, pool_id: _Optional[str] = ..., namespace: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., server_instance: _Optional[str] = ...) -> None: ...
+    owner_token: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., namespace: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., server_instance: _Optional[str] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("pool_id",)

@@ -35,6 +35,7 @@ from kvseal.server.pools import Pool, PoolRegistry, PoolSpec
 from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer
 
 log = logging.getLogger("kvseal.cache")
+MAX_OWNER_TOKEN = 64
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -62,6 +63,7 @@ class Registered:
     pool_id: str
     namespace: bytes
     block_bytes: int
+    owner_token: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,16 +233,28 @@ class SealedCache:
     # ---------------------------------------------------------------- pools
 
     @_request
-    def register_pool(self, spec: PoolSpec) -> Registered:
+    def register_pool(self, spec: PoolSpec, owner_token: bytes = b"") -> Registered:
+        """Map the engine's pool and register it (see PoolRegistry.add for names,
+        owners and holds). A registration that fails, at any step, leaves nothing
+        open: the backend releases what it mapped before failing, and a mapping
+        the registry then refuses (full, name taken) is closed here."""
         spec.validate()
+        if len(owner_token) > MAX_OWNER_TOKEN:
+            raise BadRequest(f"owner_token is at most {MAX_OWNER_TOKEN} bytes")
         if spec.backend != self.backend.kind:
             raise BackendMismatch(
                 f"pool registered for the {spec.backend} backend "
                 f"but this daemon runs {self.backend.kind}"
             )
-        mapped = self.backend.map_pool(spec)
         ns = spec.namespace()
-        pool, old = self.pools.add(spec, ns, mapped)
+        mapped = self.backend.map_pool(spec)
+        try:
+            pool, old = self.pools.add(spec, ns, mapped, owner_token)
+        except BaseException:
+            # Not registered: nothing else will ever close this mapping (fds, shm
+            # maps, CUDA IPC mappings of the engine's memory).
+            mapped.close()
+            raise
         if old is not None:
             log.info("pool %s replaced by %s", old.pool_id, pool.pool_id)
         log.info(
@@ -250,7 +264,7 @@ class SealedCache:
             pool.block_bytes,
             spec.geometry.layout,
         )
-        return Registered(pool.pool_id, ns, pool.block_bytes)
+        return Registered(pool.pool_id, ns, pool.block_bytes, pool.owner_token)
 
     @_request
     def unregister_pool(self, pool_id: str) -> None:
@@ -270,14 +284,14 @@ class SealedCache:
                 raise CapacityExhausted(
                     f"too many open pool holds (limit {self.config.max_holds}, --max-holds)"
                 )
-            if pool_id not in self.pools:
-                raise UnknownPool(f"pool {pool_id!r} is not registered")
+            self.pools.hold(pool_id)  # UnknownPool; a held name is not taken over
             self._holds[pool_id] = self._holds.get(pool_id, 0) + 1
 
     def release_hold(self, pool_id: str, *, holder_left: bool) -> None:
         """End one hold. If the holder went away (``holder_left``), the daemon is
         serving and no other hold on the pool is open, unregister the pool, which
         releases its mappings once no request uses it."""
+        self.pools.release(pool_id)
         with self._holds_lock:
             left = self._holds.get(pool_id, 0) - 1
             if left > 0:

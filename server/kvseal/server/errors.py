@@ -44,6 +44,15 @@ class UnknownPool(KVSealError):
     reason = "UNKNOWN_POOL"
 
 
+class PoolNameTaken(KVSealError):
+    """RegisterPool under a name whose pool another engine holds (an open
+    HoldPool stream) without that registration's owner token: nothing was
+    mapped or replaced; the holder's pool is untouched."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    reason = "POOL_NAME_TAKEN"
+
+
 class BlockNotPresent(KVSealError):
     """A block to restore is not READY in the host tier (absent or pending)."""
 

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvseal.server.errors import BadRequest, UnknownPool
+from kvseal.server.errors import BadRequest, CapacityExhausted, PoolNameTaken, UnknownPool
 
 MAX_BUFFERS = 4096
 MAX_SEGMENTS = 65536
@@ -201,6 +201,8 @@ class Pool:
     mapped: MappedPool
     in_use: int = 0
     closed: bool = False
+    owner_token: bytes = b""  # proves ownership of the name (see PoolRegistry.add)
+    holds: int = 0  # open HoldPool streams: a held name is not taken over
 
     @property
     def block_bytes(self) -> int:
@@ -229,20 +231,60 @@ class PoolRegistry:
         with self._lock:
             return pool_id in self._by_id
 
-    def add(self, spec: PoolSpec, namespace: bytes, mapped: MappedPool) -> tuple[Pool, Pool | None]:
-        """Register; a pool with the same name is replaced (and returned)."""
+    def add(
+        self, spec: PoolSpec, namespace: bytes, mapped: MappedPool, owner_token: bytes = b""
+    ) -> tuple[Pool, Pool | None]:
+        """Register; a pool with the same name is replaced (and returned), unless
+        it is held (an open HoldPool) and ``owner_token`` is not its owner's:
+        then PoolNameTaken. CapacityExhausted when ``max_pools`` are registered.
+
+        The check and the replacement are one step under the registry lock, as is
+        :meth:`hold`, so a hold and a takeover cannot both succeed. On any error
+        nothing changed and ``mapped`` still belongs to the caller (who must close
+        it). The new pool keeps the old owner token when the owner replaced its own
+        registration, so a reply it never saw does not lock it out of its name;
+        anyone else gets a fresh random token."""
         pool_id = f"{spec.name}#{secrets.token_hex(6)}"
         with self._lock:
             old = next((p for p in self._by_id.values() if p.spec.name == spec.name), None)
+            owner = (
+                old is not None
+                and bool(owner_token)
+                and secrets.compare_digest(owner_token, old.owner_token)
+            )
+            if old is not None and old.holds > 0 and not owner:
+                raise PoolNameTaken(
+                    f"pool name {spec.name!r} is taken: pool {old.pool_id!r} is held by the "
+                    "engine that registered it (an open HoldPool); give each engine its own "
+                    "name, or register again once that engine has exited"
+                )
             if old is None and len(self._by_id) >= self._max:
-                raise BadRequest(f"too many pools registered (limit {self._max})")
+                raise CapacityExhausted(f"too many pools registered (limit {self._max})")
             if old is not None:
                 del self._by_id[old.pool_id]
-            pool = Pool(pool_id, spec, namespace, mapped)
+            token = old.owner_token if owner and old is not None else secrets.token_bytes(16)
+            pool = Pool(pool_id, spec, namespace, mapped, owner_token=token)
             self._by_id[pool_id] = pool
         if old is not None:
             self._retire(old)
         return pool, old
+
+    def hold(self, pool_id: str) -> None:
+        """Count one more open hold on a registered pool (UnknownPool if it is
+        not registered); pair with :meth:`release`."""
+        with self._lock:
+            pool = self._by_id.get(pool_id)
+            if pool is None:
+                raise UnknownPool(f"pool {pool_id!r} is not registered")
+            pool.holds += 1
+
+    def release(self, pool_id: str) -> None:
+        """End one hold counted by :meth:`hold` (nothing to do if the pool is gone:
+        its count went with it)."""
+        with self._lock:
+            pool = self._by_id.get(pool_id)
+            if pool is not None and pool.holds > 0:
+                pool.holds -= 1
 
     def remove(self, pool_id: str) -> Pool:
         with self._lock:

@@ -111,13 +111,14 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         self, request: pb.RegisterPoolRequest, context: grpc.ServicerContext
     ) -> pb.RegisterPoolReply:
         spec = convert.pool_spec(request, self.cache.backend.kind)
-        reg = self.cache.register_pool(spec)
+        reg = self.cache.register_pool(spec, bytes(request.owner_token))
         return pb.RegisterPoolReply(
             pool_id=reg.pool_id,
             namespace=reg.namespace,
             block_bytes=reg.block_bytes,
             backend=convert.BACKEND_ENUMS[self.cache.backend.kind],
             server_instance=self.instance,
+            owner_token=reg.owner_token,
         )
 
     @handler
