@@ -58,6 +58,10 @@ class KVSealRpcError(Exception):
         self.code = code
         self.reason = reason
         self.details = details
+        # False only when the request certainly never left this process
+        # (e.g. the client was closed): then the daemon cannot be touching
+        # its pages.
+        self.sent = True
 
     @classmethod
     def from_rpc(cls, err: grpc.RpcError) -> KVSealRpcError:
@@ -382,7 +386,7 @@ class KVSealClient:
         try:
             return self._call(method, request, timeout + grace)
         except KVSealRpcError as e:
-            if not e.reason:
+            if not e.reason and e.sent:
                 self._settle(give_up)
             raise
 
@@ -406,7 +410,9 @@ class KVSealClient:
         except grpc.RpcError as e:
             raise KVSealRpcError.from_rpc(e) from None
         except ValueError as e:  # grpc: "Cannot invoke RPC on closed channel!"
-            raise KVSealRpcError(grpc.StatusCode.CANCELLED, "", f"client closed: {e}") from None
+            err = KVSealRpcError(grpc.StatusCode.CANCELLED, "", f"client closed: {e}")
+            err.sent = False
+            raise err from None
 
     # ------------------------------------------------------------ API
 
