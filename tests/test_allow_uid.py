@@ -133,6 +133,7 @@ def _pid(out: str) -> int:
 
 
 def test_listed_uid_admitted_unlisted_refused(base: Path) -> None:
+    (base / "d" / "run").mkdir(parents=True, mode=0o700)  # an existing owner-only directory
     d = start_daemon(base / "d", "--allow-uid", str(ADMITTED), "--allow-uid", str(os.getuid()))
     try:
         st = os.stat(d.socket)

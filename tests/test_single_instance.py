@@ -56,8 +56,11 @@ def test_second_daemon_on_the_same_socket_is_refused(
     pool = pool_factory(num_pages=4)
     pool_id, hashes, data = _store(d, pool)
     before = os.stat(d.socket)
-    r = _second("--listen", d.target)
+    dir_mode = os.stat(os.path.dirname(d.socket)).st_mode
+    # Another allow list would open the directory: refused first, it changes nothing.
+    r = _second("--listen", d.target, "--allow-uid", "4242")
     assert r.returncode == 2, r.stderr
+    assert os.stat(os.path.dirname(d.socket)).st_mode == dir_mode
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
     assert f"pid={d.proc.pid}" in lines[0] and d.socket in lines[0]

@@ -362,8 +362,7 @@ def _prepare_unix_dir(path: str, access: SocketAccess | None = None) -> bool:
     Creates it 0700 if missing (plus the search bit ``access`` needs, and its
     group). Refuses (exit 2) a directory that is a symlink, or owned by another
     uid: its owner could replace the socket and answer the engine in kvseal's
-    name. Only ever *adds* a search bit to an existing directory of ours
-    (never read or write), so that admitted uids can reach the socket. Returns
+    name. Returns
     whether the directory is *private* (ours and not writable by group/others);
     a shared one (e.g. a Kubernetes emptyDir, root-owned 0777, reachable only
     from the pod) is accepted with a warning, and gRPC's own socket then goes
@@ -388,6 +387,23 @@ def _prepare_unix_dir(path: str, access: SocketAccess | None = None) -> bool:
             f"kvseal-server: socket directory {d} is owned by uid {st.st_uid}: refusing to use it "
             "(its owner could replace the socket)"
         )
+    private = st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    if not private:
+        log.warning(
+            "socket directory %s is writable by others (mode %o): fine for a pod-private volume, "
+            "not on a shared host",
+            d,
+            stat.S_IMODE(st.st_mode),
+        )
+    return private
+
+
+def _grant_search(path: str, access: SocketAccess) -> None:
+    """Give the admitted uids the search bit they need on the socket directory
+    (of ours: never read or write, never on someone else's). Called once the
+    socket lock is held, so a refused second daemon changes nothing."""
+    d = os.path.dirname(path) or "."
+    st = os.lstat(d)
     reachable = st.st_mode & 0o001 or (
         access.dir_search == 0o010 and st.st_gid == access.gid and st.st_mode & 0o010
     )
@@ -411,15 +427,6 @@ def _prepare_unix_dir(path: str, access: SocketAccess | None = None) -> bool:
                 stat.S_IMODE(st.st_mode),
                 st.st_uid,
             )
-    private = st.st_uid == os.geteuid() and not st.st_mode & 0o022
-    if not private:
-        log.warning(
-            "socket directory %s is writable by others (mode %o): fine for a pod-private volume, "
-            "not on a shared host",
-            d,
-            stat.S_IMODE(st.st_mode),
-        )
-    return private
 
 
 def _private_dir(socket_dir: str, socket_dir_private: bool) -> str:
@@ -481,6 +488,7 @@ class Daemon:
                 access = socket_access(cfg)
                 private = _prepare_unix_dir(cfg.unix_path, access)
                 held.append(locks.lock_socket(cfg.unix_path))
+                _grant_search(cfg.unix_path, access)
             if cfg.host_region is not None:
                 held.append(locks.lock_region(cfg.host_region))
         except locks.LockError as e:
