@@ -334,8 +334,21 @@ class PoolHold:
             self._thread.join(wait)
 
 
+def _connect_timeout_ms(cfg: ClientConfig) -> int:
+    """How long one connection attempt may take: at least every configured deadline."""
+    longest = max(20.0, cfg.timeout_s, cfg.lookup_timeout_s, cfg.transfer_timeout_s)
+    return int(longest * 1000)
+
+
 class KVSealClient:
-    """One channel to one daemon. Thread-safe (gRPC channels are)."""
+    """One channel to one daemon. Thread-safe (gRPC channels are).
+
+    Connecting: a call waits, up to its own deadline, for a connection that is
+    being established (a slow accept or handshake ends in success or in
+    DEADLINE_EXCEEDED at the deadline, never in an early UNAVAILABLE). A
+    connection that is refused (no daemon on the socket) fails the call with
+    UNAVAILABLE at once, so an engine degrades without waiting.
+    """
 
     def __init__(self, config: ClientConfig | None = None) -> None:
         self.config = config or ClientConfig()
@@ -347,7 +360,14 @@ class KVSealClient:
             # default back-off of up to 2 minutes.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
-            ("grpc.min_reconnect_backoff_ms", 100),
+            # Despite its name, gRPC uses this as the *minimum connect timeout*: a
+            # connection attempt (socket connect plus the HTTP/2 handshake) is
+            # abandoned after it, and queued calls then fail UNAVAILABLE early. So it
+            # must cover the longest deadline a call is given (and never be below
+            # gRPC's own 20 s default): every call then waits up to its own deadline
+            # for a connection that is being made. A refused connection (no daemon)
+            # still fails at once, and the back-off above still applies.
+            ("grpc.min_reconnect_backoff_ms", _connect_timeout_ms(cfg)),
         ]
         if cfg.target.startswith("unix:"):
             self._channel = grpc.insecure_channel(cfg.target, options=options)

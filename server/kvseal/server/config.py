@@ -75,6 +75,9 @@ class ServerConfig:
     host_region: str | None = None
     integrity_policy: IntegrityPolicy = IntegrityPolicy.ABORT
     allow_uids: tuple[int, ...] = ()  # empty: the daemon's own uid
+    # Group (name or gid) that may open the Unix socket (mode 0660); None: the
+    # mode follows the allow list (0600 for the daemon's uid alone, else 0666).
+    socket_group: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
@@ -123,6 +126,10 @@ class ServerConfig:
             raise ValueError("--workers must be >= 0")
         if not self.engine_event_timeout > 0:
             raise ValueError("--engine-event-timeout must be > 0 seconds")
+        if self.socket_group is not None and not self.listen.startswith("unix://"):
+            raise ValueError("--socket-group applies to a unix:// socket only")
+        if self.socket_group is not None and not self.socket_group.strip():
+            raise ValueError("--socket-group must name a group or a gid")
         if self.log_format not in ("text", "json"):
             raise ValueError("--log-format must be text or json")
 

@@ -15,9 +15,11 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
+import grp
 import json
 import logging
 import os
+import pwd
 import resource
 import secrets
 import signal
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvseal.server import sealing, telemetry
+from kvseal.server import locks, sealing, telemetry
 from kvseal.server.backend import Backend, CpuBackend
 from kvseal.server.cache import Observer, SealedCache
 from kvseal.server.config import (
@@ -113,7 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="peer uid allowed on the Unix socket (repeatable; default: the daemon's own "
-        "uid) [KVSEAL_ALLOW_UIDS=uid,uid]",
+        "uid). Checked with SO_PEERCRED on every connection; with uids other than the "
+        "daemon's own the socket is 0666 (the check is the gate) unless --socket-group "
+        "narrows it [KVSEAL_ALLOW_UIDS=uid,uid]",
+    )
+    p.add_argument(
+        "--socket-group",
+        default=_env("KVSEAL_SOCKET_GROUP"),
+        help="group (name or gid) whose members may open the Unix socket: socket 0660 "
+        "in that group; the allowed uids must be members [KVSEAL_SOCKET_GROUP]",
     )
     p.add_argument(
         "--tls-cert", default=_env("KVSEAL_TLS_CERT"), help="server certificate (PEM), tcp:// only"
@@ -184,6 +194,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         host_region=args.host_region,
         integrity_policy=IntegrityPolicy(args.on_integrity_failure),
         allow_uids=uids,
+        socket_group=args.socket_group,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
@@ -280,19 +291,92 @@ def make_backend(cfg: ServerConfig, sealer: sealing.BlockSealer) -> Backend:
     return CpuBackend(sealer, cfg.effective_workers, cfg.effective_allow_uids)
 
 
-def _prepare_unix_dir(path: str) -> bool:
+@dataclass(frozen=True)
+class SocketAccess:
+    """Who may open the public socket file; the SO_PEERCRED gate then decides.
+
+    ``mode``: the socket's mode. ``gid``: its group (None: the daemon's).
+    ``dir_search``: the search ("x") bit the socket directory needs so that the
+    admitted uids can reach the socket and its lock file (0: none).
+    """
+
+    mode: int
+    gid: int | None
+    dir_search: int
+    summary: str
+
+
+def socket_access(cfg: ServerConfig) -> SocketAccess:
+    """Derive the socket's mode and group from ``--socket-group`` and the allow list.
+
+    - ``--socket-group G``: 0660 in group G, the directory group-searchable;
+    - otherwise, uids other than the daemon's (and root, which passes any mode)
+      in the allow list: 0666, the directory searchable by all: every local uid
+      can connect, and the gate refuses (and logs) every uid not in the list;
+    - otherwise: 0600, as before (the daemon's uid only).
+
+    Exits (status 2) when the group does not exist.
+    """
+    if cfg.socket_group is not None:
+        name = cfg.socket_group.strip()
+        try:
+            gid = int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+        except KeyError:
+            raise SystemExit(f"kvseal-server: --socket-group {name}: no such group") from None
+        for uid in sorted(cfg.effective_allow_uids - {0}):
+            if not _in_group(uid, gid):
+                log.warning(
+                    "allowed uid %d is not a member of socket group %d: it cannot open the socket",
+                    uid,
+                    gid,
+                )
+        return SocketAccess(0o660, gid, 0o010, f"mode 0660, group {gid}")
+    others = cfg.effective_allow_uids - {os.geteuid(), 0}
+    if others:
+        return SocketAccess(
+            0o666,
+            None,
+            0o001,
+            f"mode 0666 for allowed uids {sorted(others)} (SO_PEERCRED admits only the allow "
+            "list; --socket-group narrows who can connect at all)",
+        )
+    return SocketAccess(0o600, None, 0, "mode 0600")
+
+
+def _in_group(uid: int, gid: int) -> bool:
+    try:
+        pw = pwd.getpwuid(uid)
+    except KeyError:
+        return True  # unknown here (e.g. a uid of another container): cannot tell
+    if pw.pw_gid == gid:
+        return True
+    try:
+        return pw.pw_name in grp.getgrgid(gid).gr_mem
+    except KeyError:
+        return False
+
+
+def _prepare_unix_dir(path: str, access: SocketAccess | None = None) -> bool:
     """Make sure nobody but this uid (or root) controls the socket directory.
 
-    Creates it 0700 if missing. Refuses (exit 2) a directory that is a
-    symlink, or owned by another uid: its owner could replace the socket and
-    answer the engine in kvseal's name. Returns whether the directory is
-    *private* (ours and not writable by group/others); a shared one (e.g. a
-    Kubernetes emptyDir, root-owned 0777, reachable only from the pod) is
-    accepted with a warning, and gRPC's own socket then goes elsewhere.
+    Creates it 0700 if missing (plus the search bit ``access`` needs, and its
+    group). Refuses (exit 2) a directory that is a symlink, or owned by another
+    uid: its owner could replace the socket and answer the engine in kvseal's
+    name. Returns
+    whether the directory is *private* (ours and not writable by group/others);
+    a shared one (e.g. a Kubernetes emptyDir, root-owned 0777, reachable only
+    from the pod) is accepted with a warning, and gRPC's own socket then goes
+    elsewhere.
     """
+    access = access or SocketAccess(0o600, None, 0, "mode 0600")
     d = os.path.dirname(path) or "."
     if not os.path.lexists(d):
         os.makedirs(d, mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+        if st.st_uid == os.geteuid():
+            if access.gid is not None:
+                os.chown(d, -1, access.gid)
+            os.chmod(d, 0o700 | access.dir_search)
     st = os.lstat(d)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise SystemExit(
@@ -312,6 +396,37 @@ def _prepare_unix_dir(path: str) -> bool:
             stat.S_IMODE(st.st_mode),
         )
     return private
+
+
+def _grant_search(path: str, access: SocketAccess) -> None:
+    """Give the admitted uids the search bit they need on the socket directory
+    (of ours: never read or write, never on someone else's). Called once the
+    socket lock is held, so a refused second daemon changes nothing."""
+    d = os.path.dirname(path) or "."
+    st = os.lstat(d)
+    reachable = st.st_mode & 0o001 or (
+        access.dir_search == 0o010 and st.st_gid == access.gid and st.st_mode & 0o010
+    )
+    if access.dir_search and not reachable:
+        # A directory in another group than the socket's gets the "others" search
+        # bit: the socket's own mode (0660) still keeps non-members from connecting.
+        bit = access.dir_search if access.gid in (None, st.st_gid) else 0o001
+        if st.st_uid == os.geteuid():
+            os.chmod(d, stat.S_IMODE(st.st_mode) | bit)
+            st = os.lstat(d)
+            log.info(
+                "socket directory %s: added search permission (mode %o)",
+                d,
+                stat.S_IMODE(st.st_mode),
+            )
+        else:
+            log.warning(
+                "socket directory %s (mode %o, owner uid %d) cannot be searched by the allowed "
+                "uids: they cannot reach the socket",
+                d,
+                stat.S_IMODE(st.st_mode),
+                st.st_uid,
+            )
 
 
 def _private_dir(socket_dir: str, socket_dir_private: bool) -> str:
@@ -357,9 +472,29 @@ class Daemon:
     metrics: telemetry.Metrics | None = None
     exit_code: int = 0
     _stop_metrics: Callable[[], None] | None = None
+    # The socket and region locks (kvseal.server.locks): open for the daemon's
+    # whole life; the kernel drops them when the process exits, however it exits.
+    lock_fds: tuple[int, ...] = ()
 
     @classmethod
     def create(cls, cfg: ServerConfig) -> Daemon:
+        # One daemon per socket and per region: both locks come first, before
+        # anything is unlinked, truncated or bound (see kvseal.server.locks).
+        held: list[int] = []
+        access: SocketAccess | None = None
+        private = False
+        try:
+            if cfg.unix_path is not None:
+                access = socket_access(cfg)
+                private = _prepare_unix_dir(cfg.unix_path, access)
+                held.append(locks.lock_socket(cfg.unix_path))
+                _grant_search(cfg.unix_path, access)
+            if cfg.host_region is not None:
+                held.append(locks.lock_region(cfg.host_region))
+        except locks.LockError as e:
+            for fd in held:
+                os.close(fd)
+            raise SystemExit(f"kvseal-server: {e}") from e
         sealing.self_test()
         sealer = sealing.BlockSealer(cfg.rekey_after)
         backend = make_backend(cfg, sealer)
@@ -368,6 +503,10 @@ class Daemon:
         except RegionError as e:
             backend.close()
             raise SystemExit(f"kvseal-server: {e}") from e
+        if cfg.host_region is not None and not locks.same_file(held[-1], cfg.host_region):
+            raise SystemExit(
+                f"kvseal-server: host region {cfg.host_region} was replaced while starting"
+            )
         stop_event = threading.Event()
         instance = secrets.token_hex(8)
         holder: list[Daemon] = []
@@ -411,14 +550,27 @@ class Daemon:
         gate = None
         private_dir = None
         if cfg.unix_path is not None:
-            private = _prepare_unix_dir(cfg.unix_path)
+            assert access is not None
             # gRPC's own socket lives in a fresh 0700 directory: only this uid
             # can bypass the gate, and the gate admits only allowed uids.
             private_dir = _private_dir(os.path.dirname(cfg.unix_path) or ".", private)
             internal = os.path.join(private_dir, "grpc.sock")
             log.info("internal gRPC socket: %s (reachable by uid %d only)", internal, os.geteuid())
             server.add_insecure_port("unix://" + internal)
-            gate = PeerCredGate(cfg.unix_path, internal, cfg.effective_allow_uids)
+            gate = PeerCredGate(
+                cfg.unix_path,
+                internal,
+                cfg.effective_allow_uids,
+                mode=access.mode,
+                gid=access.gid,
+            )
+            log.info(
+                "socket %s: %s; allowed uids %s; lock file %s",
+                cfg.unix_path,
+                access.summary,
+                sorted(cfg.effective_allow_uids),
+                locks.socket_lock_path(cfg.unix_path),
+            )
         else:
             assert cfg.tls_cert and cfg.tls_key and cfg.tls_client_ca  # checked by ServerConfig
             with (
@@ -433,7 +585,16 @@ class Daemon:
             if server.add_secure_port(address, creds) == 0:
                 raise SystemExit(f"kvseal-server: cannot listen on {address}")
         daemon = cls(
-            cfg, cache, server, health_servicer, gate, instance, private_dir, stop_event, metrics
+            cfg,
+            cache,
+            server,
+            health_servicer,
+            gate,
+            instance,
+            private_dir,
+            stop_event,
+            metrics,
+            lock_fds=tuple(held),
         )
         holder.append(daemon)
         return daemon
@@ -487,6 +648,11 @@ class Daemon:
                 os.unlink(os.path.join(self.private_dir, "grpc.sock"))
             with contextlib.suppress(OSError):
                 os.rmdir(self.private_dir)
+        # Last: the socket file is gone and nothing serves any more, so the next
+        # daemon may take over the socket path and the region.
+        for fd in self.lock_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         log.info("stopped (exit status %d)", self.exit_code)
         return self.exit_code
 

@@ -21,6 +21,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterable
 
 log = logging.getLogger("kvseal.peercred")
@@ -85,11 +86,11 @@ class _Downstream(_Relay):
         pid, uid, _ = peer_credentials(self.transport.get_extra_info("socket"))
         if uid not in self.gate.allowed:
             self.gate.denied += 1
-            log.warning(
-                "refused connection from pid %d uid %d: uid not in the allow list", pid, uid
-            )
+            self.gate.log_refusal(pid, uid)
             self.transport.close()
             return
+        # Ids only: a connection carries no secret the log could leak.
+        log.info("admitted connection from pid %d uid %d", pid, uid)
         self.gate.connections.add(self)
         self.transport.pause_reading()
         self._task = asyncio.get_running_loop().create_task(self._connect_upstream())
@@ -122,23 +123,52 @@ class PeerCredGate:
     """Accept on ``public_path``; relay allowed peers to ``internal_path``.
 
     ``start`` binds the public socket (mode 0600 unless ``mode`` says
-    otherwise) before returning, so a client that sees the socket can connect.
+    otherwise; group ``gid`` when given) before returning, so a client that
+    sees the socket can connect. The caller must hold the socket's lock
+    (``kvseal.server.locks``): binding replaces whatever file is at the path.
+    The socket's mode only says who may *try*: ``SO_PEERCRED`` against the
+    allow list is the gate.
     """
 
+    REFUSAL_LOG_INTERVAL_S = 10.0  # per uid: a looping client cannot flood the log
+
     def __init__(
-        self, public_path: str, internal_path: str, allowed_uids: Iterable[int], mode: int = 0o600
+        self,
+        public_path: str,
+        internal_path: str,
+        allowed_uids: Iterable[int],
+        mode: int = 0o600,
+        gid: int | None = None,
     ) -> None:
         self.public_path = public_path
         self.internal_path = internal_path
         self.allowed = frozenset(allowed_uids)
         self.mode = mode
+        self.gid = gid
         self.denied = 0
+        self._refusals: dict[int, tuple[float, int]] = {}  # uid -> (last logged, since)
         self.connections: set[_Downstream] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="kvseal-peercred", daemon=True)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._server: asyncio.base_events.Server | None = None
+
+    def log_refusal(self, pid: int, uid: int) -> None:
+        """Log a refused peer, at most once per uid every REFUSAL_LOG_INTERVAL_S
+        (the ones in between are counted in the next line and in ``denied``)."""
+        now = time.monotonic()
+        last, since = self._refusals.get(uid, (-1e18, 0))
+        if now - last < self.REFUSAL_LOG_INTERVAL_S:
+            self._refusals[uid] = (last, since + 1)
+            return
+        if len(self._refusals) > 1024:  # bounded: uids are few, but never trust that
+            self._refusals.clear()
+        self._refusals[uid] = (now, 0)
+        more = f" ({since} more refused since the last line)" if since else ""
+        log.warning(
+            "refused connection from pid %d uid %d: uid not in the allow list%s", pid, uid, more
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -169,6 +199,8 @@ class PeerCredGate:
             )
         finally:
             os.umask(old)
+        if self.gid is not None:
+            os.chown(self.public_path, -1, self.gid)
         os.chmod(self.public_path, self.mode)
 
     def stop(self) -> None:
