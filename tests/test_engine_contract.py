@@ -269,3 +269,39 @@ def test_grace_over_the_limit_is_refused(
         assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert ei.value.reason == "BAD_REQUEST"
         assert "grace_ms" in ei.value.details
+
+
+def test_daemon_killed_mid_transfer_fails_without_waiting_out_the_deadline(
+    daemon_factory: Callable[..., DaemonProc], pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    """A dead daemon touches nothing: the client sees its lock released
+    (``kvseal.client.liveness``) and returns the failure without sitting out
+    a long transfer deadline."""
+    d = daemon_factory("--workers", "2", host_bytes="128MiB")
+    pool = pool_factory(num_pages=BLOCKS * 2, geometry=GEOMETRY)
+    src = list(range(BLOCKS))
+    for p in src:
+        pool.write_block(p, os.urandom(pool.shape.block_bytes))
+    hashes = [os.urandom(32) for _ in src]
+    outcome: list[BaseException | None] = []
+    with d.client() as c:
+        pid = c.register_pool("engine", FP, pool.geometry()).pool_id
+        c.offload(pid, TENANT, hashes, src, timeout=60)
+
+        def restore_forever() -> None:
+            try:
+                for _ in range(1000):
+                    c.restore(pid, TENANT, hashes, list(range(BLOCKS, 2 * BLOCKS)), timeout=300)
+                outcome.append(None)
+            except KVSealRpcError as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=restore_forever, daemon=True)
+        t.start()
+        time.sleep(0.2)
+        d.proc.kill()
+        d.proc.wait()
+        t.join(60)  # far below the 300 s deadline the client would otherwise sit out
+        assert not t.is_alive(), "the client waited for a dead daemon"
+    assert outcome and isinstance(outcome[0], KVSealRpcError), outcome
+    assert outcome[0].code == grpc.StatusCode.UNAVAILABLE, outcome[0]

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+from kvseal.client.liveness import daemon_gone
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
 
@@ -420,8 +421,9 @@ class KVSealClient:
 
     def _daemon_gone(self) -> bool:
         """True only when the daemon process is known to be gone (its lock
-        released by the kernel): it can touch no page any more."""
-        return False
+        on ``<socket>.lock`` released by the kernel): it can touch no page
+        any more. Always False for TCP targets (no way to tell)."""
+        return daemon_gone(self.config.target)
 
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         fn = getattr(self._stub, method)
