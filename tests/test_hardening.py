@@ -187,12 +187,12 @@ def _swallow(fn: Callable[[], object]) -> None:
 def test_truncated_pool_object_does_not_kill_daemon(
     daemon_factory: Callable[..., DaemonProc], pool_factory: Callable[..., SharedKVPool]
 ) -> None:
-    """Pools are plain MAP_SHARED maps of /dev/shm objects; any process with
-    write access (an engine bug, a restart that reuses the name) can shrink
-    the object, and the next gather/scatter takes SIGBUS: every tenant's
-    cache is lost and the daemon dies with a signal (systemd restarts it). The
-    host region avoids exactly this with pread; pools need the same care
-    (fstat size check under a lease, or a SIGBUS-safe copy)."""
+    """Any process with write access to a pool's /dev/shm object (an engine
+    bug, a restart that reuses the name) can shrink it. Were pools memory
+    maps, the next gather/scatter would take SIGBUS and every tenant's cache
+    would die with the daemon; the daemon reads them with preadv instead, so
+    the request fails and the daemon serves on (tests/test_pool_shrink.py
+    shrinks the object *during* copies)."""
     d = daemon_factory()
     pool = pool_factory(num_pages=4, layout="vllm_cross_layer")
     with d.client() as c:

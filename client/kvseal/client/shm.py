@@ -94,7 +94,7 @@ class _ShmBuffer:
         self.view.release()
         try:
             self.map.close()
-        except BufferError:  # torch tensors still view it; the mapping goes with them
+        except BufferError:  # tensors still hold an export: the mapping goes with them
             pass
         if unlink:
             try:
@@ -105,8 +105,11 @@ class _ShmBuffer:
 
 class SharedKVPool:
     """An engine KV pool in shared memory. The pool owns its buffers; the
-    daemon maps them too, and both see every write. ``close`` unlinks them
-    (the daemon's mapping stays valid until it unregisters the pool)."""
+    daemon opens them too, and both see every write. ``close`` unlinks them
+    (the daemon's fds stay valid until it unregisters the pool) and unmaps
+    them, except that a mapping still viewed by tensors from ``tensors()`` is
+    unmapped only when the last such tensor is freed (never under a live
+    tensor). After ``close`` the raw accessors (``read_block`` ...) raise."""
 
     def __init__(self, shape: KVShape, layout: str, name_prefix: str = "kvseal") -> None:
         if layout not in LAYOUTS:
@@ -197,14 +200,21 @@ class SharedKVPool:
 
     def tensors(self) -> list[torch.Tensor]:
         """The pool's buffers as torch tensors in the engine's layout
-        (zero-copy views of the shared memory)."""
+        (zero-copy views of the shared memory).
+
+        Each tensor holds a buffer export of its mapping (``torch.frombuffer``
+        itself keeps none), so while any of them, or a view of one, is alive
+        ``close`` (or the finalizer) cannot unmap the memory under it: the
+        names are unlinked then and the mapping goes with the last tensor."""
         import torch  # noqa: PLC0415 - torch is optional for the client
 
         dtype: Any = getattr(torch, self.shape.dtype)
         s = self.shape
         out = []
         for b in self.buffers:
-            flat = torch.frombuffer(b.map, dtype=dtype)
+            # The memoryview is the export: torch keeps a reference to the
+            # object it is given, and mmap.close() refuses while it exists.
+            flat = torch.frombuffer(memoryview(b.map), dtype=dtype)
             if self.layout == "vllm_per_layer":
                 shape: tuple[int, ...] = (
                     2,

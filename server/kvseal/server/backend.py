@@ -25,7 +25,6 @@ Page ids and extents are validated by the caller before these are called.
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 import stat
 import threading
@@ -38,8 +37,7 @@ from kvseal.server import telemetry
 from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import BadRequest, HandleUnusable, ShuttingDown
 from kvseal.server.hostregion import Extent, HostRegion
-from kvseal.server.memcopy import Pinned, memmove
-from kvseal.server.pools import MappedPool, PoolSpec
+from kvseal.server.pools import BufferMemory, MappedPool, PoolSpec, check_disjoint
 from kvseal.server.sealing import (
     TAG_BYTES,
     AuthenticationFailed,
@@ -119,18 +117,22 @@ class Backend(Protocol):
 class CpuMappedPool:
     """A pool whose buffers live in POSIX shared memory (``/dev/shm``).
 
-    The daemon maps each shared-memory object once, read-write, and checks
-    that every buffer fits inside it (the segments were checked against the
-    buffers at registration), so gather/scatter can copy by address with
-    ``memmove``, which releases the GIL.
+    The daemon opens each shared-memory object once, read-write, and never
+    maps it: ``gather`` and ``scatter`` are ``os.preadv``/``os.pwritev`` on
+    the object's fd (they release the GIL). So the engine's memory can never
+    raise a signal in the daemon: an object the engine shrinks, even while a
+    copy runs, makes the read come back short, which fails that request with
+    HandleUnusable (nothing sealed from it is published), and a write past
+    its end extends the engine's own object. Other pools are not affected.
 
     Whose memory: the daemon opens objects with its own privileges, so it
     accepts only objects owned by an allowed peer uid (else engine A could
     name engine B's pool: a confused deputy), and never its own ciphertext
-    region. A mapped object that shrinks would turn the next copy into
-    SIGBUS: ``check`` re-reads the sizes before every batch (an engine that
-    truncates its own pool *during* a copy can still crash the daemon; that
-    needs fd passing of sealed memfds, not done yet).
+    region. Names are resolved to the object behind them (``st_dev``,
+    ``st_ino``), and :func:`~kvseal.server.pools.check_disjoint` refuses a
+    geometry in which two (segment, page) pairs share a byte of one object,
+    whatever names the buffers use (the same name twice, hard links,
+    overlapping ranges): a restore into one page never writes another.
     """
 
     def __init__(
@@ -142,34 +144,49 @@ class CpuMappedPool:
         self.spec = spec
         self._allowed = allowed_uids
         self._forbidden = forbidden
-        self._maps: dict[str, mmap.mmap] = {}
         self._fds: dict[str, int] = {}
-        self._pins: dict[str, Pinned] = {}
-        self._segments: list[tuple[int, int, int]] = []  # (address of page 0, stride, bytes)
+        self._sizes: dict[str, int] = {}  # each object's size when it was opened
+        # Per page, the reads/writes of one block: (fd, file offset of page 0,
+        # stride, offset in the block, bytes, object name); consecutive
+        # segments that are adjacent in one object are merged into one run.
+        self._runs: list[tuple[int, int, int, int, int, str]] = []
+        g = spec.geometry
         try:
-            bases = []
-            for i, b in enumerate(spec.geometry.buffers):
+            memory = []
+            for i, b in enumerate(g.buffers):
                 if b.shm_name is None:  # pragma: no cover - validated at registration
                     raise HandleUnusable(f"geometry.buffers[{i}] has no shm_name")
-                m = self._maps.get(b.shm_name)
-                if m is None:
-                    m = self._map(b.shm_name)
-                    self._maps[b.shm_name] = m
-                    self._pins[b.shm_name] = Pinned(m)
-                if b.offset + b.size > len(m):
+                if b.shm_name not in self._fds:
+                    self._open(b.shm_name)
+                st = os.fstat(self._fds[b.shm_name])
+                size = self._sizes[b.shm_name]
+                if b.offset + b.size > size:
                     raise HandleUnusable(
                         f"geometry.buffers[{i}] spans bytes [{b.offset}, {b.offset + b.size}) "
-                        f"but shared memory {b.shm_name!r} has {len(m)} bytes"
+                        f"but shared memory {b.shm_name!r} has {size} bytes"
                     )
-                bases.append(self._pins[b.shm_name].address + b.offset)
+                memory.append(BufferMemory((st.st_dev, st.st_ino), b.offset, b.size))
+            check_disjoint(memory, g.segments, g.num_pages)
         except BaseException:
             self.close()
             raise
-        self._segments = [
-            (bases[s.buffer] + s.offset, s.page_stride, s.bytes) for s in spec.geometry.segments
-        ]
+        pos = 0
+        for s in g.segments:
+            b = g.buffers[s.buffer]
+            assert b.shm_name is not None
+            fd = self._fds[b.shm_name]
+            stride = s.page_stride if g.num_pages > 1 else 0
+            at = b.offset + s.offset
+            if self._runs:
+                pfd, pat, pstride, ppos, pn, name = self._runs[-1]
+                if pfd == fd and pstride == stride and pat + pn == at:
+                    self._runs[-1] = (pfd, pat, pstride, ppos, pn + s.bytes, name)
+                    pos += s.bytes
+                    continue
+            self._runs.append((fd, at, stride, pos, s.bytes, b.shm_name))
+            pos += s.bytes
 
-    def _map(self, name: str) -> mmap.mmap:
+    def _open(self, name: str) -> None:
         path = os.path.join(SHM_DIR, name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -186,48 +203,93 @@ class CpuMappedPool:
                 )
             if (st.st_dev, st.st_ino) in self._forbidden:
                 raise HandleUnusable(f"{name!r} is kvseal's own ciphertext region")
-            m = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
         self._fds[name] = fd
-        return m
+        self._sizes[name] = st.st_size
 
     def check(self) -> None:
-        """Raise HandleUnusable if a mapped object shrank since it was mapped."""
+        """Raise HandleUnusable if an object shrank since it was opened (an
+        early, clear refusal; a shrink during the batch is caught by the
+        short read itself)."""
         for name, fd in self._fds.items():
             size = os.fstat(fd).st_size
-            if size < len(self._maps[name]):
+            if size < self._sizes[name]:
                 raise HandleUnusable(
                     f"shared memory {name!r} shrank to {size} bytes while registered: "
                     "register the pool again"
                 )
 
-    def gather(self, page: int, dst: int) -> None:
-        """Copy page ``page`` (checked by the caller) to private memory at ``dst``."""
-        pos = 0
-        for base, stride, n in self._segments:
-            memmove(dst + pos, base + page * stride, n)
-            pos += n
+    def gather(self, page: int, dst: memoryview) -> None:
+        """Read page ``page`` (checked by the caller) into the first block's
+        bytes of ``dst`` (private to the caller). Raises HandleUnusable if the
+        engine's object ends early or cannot be read; ``dst`` is then partly
+        filled and must not be used."""
+        run = None
+        try:
+            for run in self._runs:
+                fd, at, stride, pos, n, _ = run
+                if os.preadv(fd, (dst[pos : pos + n],), at + page * stride) != n:
+                    _read_rest(fd, dst[pos : pos + n], at + page * stride)
+        except (OSError, _ShortRead) as e:
+            assert run is not None
+            raise HandleUnusable(
+                f"reading page {page} of shared memory {run[5]!r} failed ({_why(e)}): "
+                "the engine shrank or broke its pool; register it again"
+            ) from e
 
-    def scatter(self, page: int, src: int) -> None:
-        """Copy one block of plaintext at ``src`` into page ``page``."""
-        pos = 0
-        for base, stride, n in self._segments:
-            memmove(base + page * stride, src + pos, n)
-            pos += n
+    def scatter(self, page: int, src: memoryview) -> None:
+        """Write one block of plaintext (the first block's bytes of ``src``)
+        into page ``page``. Raises
+        HandleUnusable if a write fails (e.g. no space to re-extend an object
+        the engine shrank); the page is then partly written."""
+        run = None
+        try:
+            for run in self._runs:
+                fd, at, stride, pos, n, _ = run
+                if os.pwritev(fd, (src[pos : pos + n],), at + page * stride) != n:
+                    _write_rest(fd, src[pos : pos + n], at + page * stride)
+        except (OSError, _ShortRead) as e:
+            assert run is not None
+            raise HandleUnusable(
+                f"writing page {page} of shared memory {run[5]!r} failed ({_why(e)}): "
+                "register the pool again"
+            ) from e
 
     def close(self) -> None:
-        self._segments = []
-        for pin in self._pins.values():
-            pin.release()
-        self._pins.clear()
-        for m in self._maps.values():
-            m.close()
-        self._maps.clear()
+        self._runs = []
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+class _ShortRead(Exception):
+    """The object ended before the bytes a page needs."""
+
+
+def _why(e: BaseException) -> str:
+    return e.strerror or str(e) if isinstance(e, OSError) else str(e)
+
+
+def _read_rest(fd: int, view: memoryview, at: int) -> None:
+    """Finish a read that came back short: a regular file reads short only at
+    its end, so this normally finds the end and raises _ShortRead."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, (view[done:],), at + done)
+        if got == 0:
+            raise _ShortRead(f"object ends before byte {at + len(view)}")
+        done += got
+
+
+def _write_rest(fd: int, view: memoryview, at: int) -> None:
+    done = 0
+    while done < len(view):
+        put = os.pwritev(fd, (view[done:],), at + done)
+        if put == 0:
+            raise _ShortRead("write made no progress")
+        done += put
 
 
 class _Scratch(threading.local):
@@ -240,17 +302,12 @@ class _Scratch(threading.local):
 
     def __init__(self) -> None:
         self.buf = bytearray()
-        self.pin: Pinned | None = None
 
-    def get(self, n: int) -> tuple[memoryview, int]:
-        """(view of n + 16 bytes, its address)."""
+    def get(self, n: int) -> memoryview:
+        """A view of n + 16 bytes (the block, then room for its tag)."""
         if len(self.buf) < n + TAG_BYTES:
-            if self.pin is not None:
-                self.pin.release()
             self.buf = bytearray(n + TAG_BYTES)
-            self.pin = Pinned(self.buf)
-        assert self.pin is not None
-        return memoryview(self.buf)[: n + TAG_BYTES], self.pin.address
+        return memoryview(self.buf)[: n + TAG_BYTES]
 
 
 class _StagingPool:
@@ -355,8 +412,8 @@ class CpuBackend:
                     # Before every page read: past the cutoff the engine may
                     # already own this page again (see kvseal.server.deadline).
                     deadline.check(f"page {blk.page}")
-                    sealed, addr = self._scratch.get(blk.size)
-                    pool.gather(blk.page, addr)
+                    sealed = self._scratch.get(blk.size)
+                    pool.gather(blk.page, sealed)
                     rec = self._sealer.seal_into(sealed[: blk.size], blk.ad, sealed)
                     records.append(rec)
                     region.write(blk.extent.offset, sealed[: blk.size])
@@ -430,22 +487,17 @@ class CpuBackend:
                 deadline.check("the first destination page")
                 pool.check()
                 with telemetry.stage("scatter"):
-                    pin = Pinned(staging_buf)
-                    base = pin.address
 
                     def scatter(a: int, b: int) -> list[None]:
                         for i in range(a, b):
                             deadline.check_commit("writing the verified blocks")
-                            pool.scatter(blocks[i].page, base + offsets[i])
+                            pool.scatter(blocks[i].page, staging[offsets[i] : offsets[i + 1]])
                         return []
 
-                    try:
-                        # memmove drops the GIL: both threads' copies overlap.
-                        for outcome in self._parallel(len(blocks), scatter):
-                            if isinstance(outcome, BaseException):
-                                raise outcome
-                    finally:
-                        pin.release()
+                    # pwritev drops the GIL: both threads' copies overlap.
+                    for outcome in self._parallel(len(blocks), scatter):
+                        if isinstance(outcome, BaseException):
+                            raise outcome
         finally:
             staging.release()
             self._staging.give(staging_buf)

@@ -9,12 +9,14 @@ object) happens before a single byte is copied.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import heapq
 import re
 import secrets
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -108,51 +110,196 @@ class Geometry:
                     f"{where} reaches byte {end} of buffer {s.buffer}, which has {size} bytes: "
                     "the geometry does not fit the buffer"
                 )
-        self._check_disjoint()
+        # Within each buffer; the backend repeats this across buffers once it
+        # knows which memory each one really is (names can alias).
+        check_disjoint(
+            [BufferMemory(i, 0, b.size) for i, b in enumerate(self.buffers)],
+            self.segments,
+            self.num_pages,
+        )
         if self.block_bytes > MAX_BLOCK_BYTES:
             raise BadRequest(f"a block would be {self.block_bytes} bytes (limit {MAX_BLOCK_BYTES})")
 
-    def _check_disjoint(self) -> None:
-        """No byte of the pool may belong to two (segment, page) pairs, or a
-        restore into one page would also rewrite another.
 
-        Per buffer: segments whose whole extents (all pages) do not overlap
-        are fine. Segments whose extents do overlap (pages interleaved, e.g.
-        a [pages, K/V, ...] tensor) must share one stride, and their page-0
-        spans must be disjoint and fit inside one stride: then every page's
-        spans tile a separate stride-sized window. Anything else is refused
-        (kvseal cannot cheaply prove it safe).
-        """
-        by_buffer: dict[int, list[SegmentSpec]] = {}
-        for s in self.segments:
-            by_buffer.setdefault(s.buffer, []).append(s)
-        last = self.num_pages - 1
-        for buf, segs in by_buffer.items():
-            segs.sort(key=lambda s: s.offset)
-            group: list[SegmentSpec] = []
-            group_end = -1
-            for seg in [*segs, None]:
-                if seg is not None and seg.offset < group_end:
-                    group.append(seg)
-                    group_end = max(group_end, seg.offset + last * seg.page_stride + seg.bytes)
-                    continue
-                if len(group) > 1:
-                    self._check_interleaved(buf, group)
-                if seg is not None:
-                    group = [seg]
-                    group_end = seg.offset + last * seg.page_stride + seg.bytes
+# ------------------------------------------------------------------ aliasing
 
-    def _check_interleaved(self, buf: int, group: list[SegmentSpec]) -> None:
-        stride = group[0].page_stride
-        window_end = group[0].offset + stride
-        prev_end = group[0].offset
-        for s in group:
-            if s.page_stride != stride or s.offset < prev_end or s.offset + s.bytes > window_end:
-                raise BadRequest(
-                    f"segments of buffer {buf} overlap: some page's bytes would belong to two "
-                    "pages or two segments (overlapping pages)"
-                )
-            prev_end = s.offset + s.bytes
+# How many (segment pair, page) checks ``check_disjoint`` spends on segments of
+# *different* page strides whose extents overlap (no engine layout has them;
+# equal strides cost nothing like this) before it refuses the geometry.
+ALIAS_CHECK_BUDGET = 1 << 18
+
+
+@dataclass(frozen=True, slots=True)
+class BufferMemory:
+    """Where one pool buffer really lives, as the backend resolved it.
+
+    ``identity`` names the underlying memory object (any hashable: the CPU
+    backend uses the shm object's ``(st_dev, st_ino)``, the CUDA backend the
+    allocation base from ``cuMemGetAddressRange``); two buffers with the same
+    identity are the same memory whatever their names. ``start`` is the
+    absolute byte offset of the buffer's byte 0 in that memory and ``size``
+    its length (the segments were already checked to fit ``size``).
+    """
+
+    identity: Hashable
+    start: int
+    size: int
+
+
+def check_disjoint(
+    memory: Sequence[BufferMemory], segments: Sequence[SegmentSpec], num_pages: int
+) -> None:
+    """Raise BadRequest if any byte of memory belongs to two (segment, page)
+    pairs: a restore into one page would then also rewrite another page (or
+    another segment of the same page), which the request never named.
+
+    ``memory[i]`` resolves ``geometry.buffers[i]``; segment ``s`` page ``p``
+    covers ``[start + s.offset + p * s.page_stride, + s.bytes)`` of
+    ``memory[s.buffer].identity``. Exact (legal layouts such as K/V segments
+    interleaved within one page stride, or vLLM's ``[2, pages, ...]`` halves,
+    pass), and cheap: segments of equal stride are compared in (page-stride
+    lap, offset within the stride) coordinates with one sweep, never page by
+    page; only segments of different strides with overlapping extents are
+    checked page by page, within ``ALIAS_CHECK_BUDGET`` (beyond it the
+    geometry is refused as too complex to prove safe). Validation of the
+    geometry itself (``page_stride >= bytes`` when ``num_pages > 1``,
+    segments inside buffers) is assumed done.
+    """
+    if num_pages < 1:
+        raise BadRequest("geometry.num_pages must be positive")
+    # With one page the stride never matters: give every segment the same one
+    # (at least each one's length), so the equal-stride sweep handles them all.
+    one_stride = max((s.bytes for s in segments), default=1) if num_pages == 1 else 0
+    by_memory: dict[Hashable, list[_Run]] = {}
+    for i, s in enumerate(segments):
+        m = memory[s.buffer]
+        if s.offset < 0 or s.offset + (num_pages - 1) * s.page_stride + s.bytes > m.size:
+            raise BadRequest(f"geometry.segments[{i}] does not fit its buffer")
+        stride = one_stride or s.page_stride
+        run = _Run(i, s.buffer, m.start + s.offset, stride, s.bytes)
+        by_memory.setdefault(m.identity, []).append(run)
+    budget = [ALIAS_CHECK_BUDGET]
+    for runs in by_memory.values():
+        by_stride: dict[int, list[_Run]] = {}
+        for r in runs:
+            by_stride.setdefault(r.stride, []).append(r)
+        for stride, group in by_stride.items():
+            _sweep_equal_stride(group, stride, num_pages)
+        if len(by_stride) > 1:
+            _check_mixed_strides(runs, num_pages, budget)
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """One segment in absolute coordinates of its memory."""
+
+    index: int  # in geometry.segments
+    buffer: int
+    start: int  # page 0's first byte
+    stride: int
+    bytes: int
+
+    def end(self, num_pages: int) -> int:
+        return self.start + (num_pages - 1) * self.stride + self.bytes
+
+
+def _alias_error(a: _Run, b: _Run, byte: int) -> BadRequest:
+    pa, pb_ = (byte - a.start) // a.stride, (byte - b.start) // b.stride
+    same = (
+        f"buffers {a.buffer} and {b.buffer} are the same memory"
+        if a.buffer != b.buffer
+        else f"both in buffer {a.buffer}"
+    )
+    return BadRequest(
+        f"geometry segments overlap: page {pa} of segments[{a.index}] and page {pb_} of "
+        f"segments[{b.index}] share memory ({same}): a restore into one page would rewrite "
+        "another"
+    )
+
+
+def _sweep_equal_stride(group: list[_Run], stride: int, num_pages: int) -> None:
+    """Exact check for segments sharing one stride T. Byte x is the point
+    (x // T, x % T): segment a covers laps [a // T, + pages) at offsets
+    [a % T, + bytes), wrapping into the next lap when it runs past T (bytes <=
+    T, so at most two rectangles). Two segments share a byte iff two of their
+    rectangles intersect: a sweep over laps keeps the active offset intervals,
+    which must stay disjoint, in a sorted list."""
+    if len(group) < 2:
+        return
+    # (lap_lo, lap_hi inclusive, off_lo, off_hi exclusive, run)
+    rects: list[tuple[int, int, int, int, _Run]] = []
+    for r in group:
+        lap, off = divmod(r.start, stride)
+        rects.append((lap, lap + num_pages - 1, off, min(off + r.bytes, stride), r))
+        if off + r.bytes > stride:
+            rects.append((lap + 1, lap + num_pages, 0, off + r.bytes - stride, r))
+    # Events: removals (kind 0) at lap_hi + 1 sort before insertions (kind 1).
+    events = sorted(
+        [(lo, 1, k) for k, (lo, _, _, _, _) in enumerate(rects)]
+        + [(hi + 1, 0, k) for k, (_, hi, _, _, _) in enumerate(rects)]
+    )
+    active: list[tuple[int, int, int]] = []  # (off_lo, off_hi, rect index), disjoint, sorted
+    for lap, kind, k in events:
+        lo, hi, run = rects[k][2], rects[k][3], rects[k][4]
+        if kind == 0:
+            active.remove((lo, hi, k))
+            continue
+        at = bisect.bisect_left(active, (lo, hi, k))
+        for j in (at - 1, at):
+            if 0 <= j < len(active):
+                olo, ohi, ok = active[j]
+                if olo < hi and lo < ohi:
+                    raise _alias_error(rects[ok][4], run, lap * stride + max(lo, olo))
+        active.insert(at, (lo, hi, k))
+
+
+def _check_mixed_strides(runs: list[_Run], num_pages: int, budget: list[int]) -> None:
+    """Exact check for pairs of segments with different strides whose extents
+    overlap, page by page over the one with the larger stride (the fewer
+    pages), at a bounded cost."""
+    order = sorted(runs, key=lambda r: r.start)
+    expiry: list[tuple[int, int]] = []  # heap of (extent end, position in order)
+    active: dict[int, dict[int, _Run]] = {}  # stride -> {position: run}, extents live
+    for pos, r in enumerate(order):
+        while expiry and expiry[0][0] <= r.start:
+            _, old = heapq.heappop(expiry)
+            live = active[order[old].stride]
+            del live[old]
+            if not live:
+                del active[order[old].stride]
+        for stride, live in active.items():
+            if stride == r.stride:
+                continue  # the equal-stride sweep covered these
+            for other in live.values():
+                _check_pair(other, r, num_pages, budget)
+        heapq.heappush(expiry, (r.end(num_pages), pos))
+        active.setdefault(r.stride, {})[pos] = r
+
+
+def _check_pair(a: _Run, b: _Run, num_pages: int, budget: list[int]) -> None:
+    if a.stride < b.stride:
+        a, b = b, a  # walk the pages of a, the larger stride
+    lo, hi = max(a.start, b.start), min(a.end(num_pages), b.end(num_pages))
+    if lo >= hi:
+        return
+    # a's pages that can reach [lo, hi): start < hi and start + bytes > lo.
+    first = max(0, (lo - a.bytes - a.start) // a.stride + 1)
+    last = min(num_pages - 1, (hi - 1 - a.start) // a.stride)
+    budget[0] -= 1 + max(0, last - first + 1)  # a pair costs something even if empty
+    if budget[0] < 0:
+        raise BadRequest(
+            f"geometry.segments[{a.index}] and segments[{b.index}] have different page strides "
+            "and overlapping extents: too many pages to prove that no byte belongs to two "
+            "pages; lay such segments out apart or give them one stride"
+        )
+    for p in range(first, last + 1):
+        x = a.start + p * a.stride
+        # b's first page that ends after x; it shares a byte iff it starts before x + bytes.
+        q = max(0, (x - b.bytes - b.start) // b.stride + 1)
+        if q < num_pages:
+            y = b.start + q * b.stride
+            if y < x + a.bytes:
+                raise _alias_error(a, b, max(x, y))
 
 
 @dataclass(frozen=True, slots=True)
