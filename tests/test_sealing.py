@@ -662,6 +662,21 @@ def test_retired_epoch_drops_its_cipher_and_the_key_schedules_with_it() -> None:
         old.cipher()
 
 
+def test_close_wipes_every_key_and_refuses_to_seal_afterwards() -> None:
+    sealer = BlockSealer(rekey_after=1)
+    rec, sealed = seal(sealer, b"a", ad())
+    seal(sealer, b"b", ad())
+    epochs = list(sealer._epochs.values())
+    assert len(epochs) == 2
+    sealer.close()
+    assert sealer.live_epochs == 0
+    assert all(e.aead is None and bytes(e._key) == bytes(32) for e in epochs)
+    with pytest.raises(SealingError):
+        seal(sealer, b"c", ad())
+    with pytest.raises(SealingError):
+        open_(sealer, rec, ad(), bytes(sealed))
+
+
 def test_device_key_api_matches_host_sealing() -> None:
     """What the CUDA backend gets (nonces, exported key) seals exactly like
     the host path, and retired epochs wipe their key."""

@@ -574,4 +574,5 @@ class SealedCache:
         # whose release needs the context that backend.close() gives back.
         self.region.close()
         self.backend.close()
+        self.sealer.close()  # last: wipe the keys (the backend no longer needs them)
         return True

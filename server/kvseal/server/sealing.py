@@ -205,6 +205,7 @@ class BlockSealer:
         self.rekey_after = rekey_after
         self._lock = threading.Lock()
         self._epochs: dict[int, _Epoch] = {}
+        self._closed = False
         self._current = self._new_epoch(0)
 
     def __repr__(self) -> str:
@@ -229,6 +230,8 @@ class BlockSealer:
 
     def _rotate_if_needed(self, n: int) -> _Epoch:
         """The epoch to draw ``n`` nonces from (caller holds the lock)."""
+        if self._closed:
+            raise SealingError("the sealer is closed: its keys are wiped")
         epoch = self._current
         if epoch.counter + n > self.rekey_after:
             if n > self.rekey_after:
@@ -321,6 +324,15 @@ class BlockSealer:
             epoch.cipher().decrypt_into(record.nonce, sealed, ad.encode(), out)
         except InvalidTag:
             raise AuthenticationFailed("authentication failed") from None
+
+    def close(self) -> None:
+        """Wipe every epoch's key and drop its cipher (shutdown, once no seal or
+        open runs). Afterwards every seal and open raises SealingError."""
+        with self._lock:
+            self._closed = True
+            for epoch in self._epochs.values():
+                epoch.destroy()
+            self._epochs.clear()
 
     def forget(self, epoch_index: int) -> None:
         """One block sealed under ``epoch_index`` is gone; drop the epoch's
