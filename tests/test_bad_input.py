@@ -263,3 +263,192 @@ def test_request_after_unregister(env: dict[str, Any]) -> None:
     _expect(
         env, NOT_FOUND, "UNKNOWN_POOL", lambda c: c.unregister_pool(h.pool_id), "not registered"
     )
+
+
+# ---------------------------------------------------------------- hostile input, every RPC
+
+LONG = "p" * 20_000  # 20 kB: its echo alone would exceed gRPC's metadata limit
+_STREAMS = ("HoldPool", "WatchEvents")
+
+
+def _raw(target: str, rpc: str, body: bytes) -> tuple[grpc.StatusCode, str, str]:
+    """Send ``body`` as-is (no client-side serialisation or checks) and return
+    (status, kvseal-error reason, details)."""
+    path = f"/kvseal.v1.KVSeal/{rpc}"
+    with grpc.insecure_channel(target) as ch:
+        try:
+            if rpc in _STREAMS:
+                for _ in ch.unary_stream(path)(body, timeout=10):
+                    break
+            else:
+                ch.unary_unary(path)(body, timeout=10)
+        except grpc.RpcError as e:
+            call: Any = e
+            reason = dict(call.trailing_metadata() or ()).get("kvseal-error", "")
+            return call.code(), str(reason), call.details() or ""
+    return grpc.StatusCode.OK, "", ""
+
+
+def _not_utf8(field: int) -> bytes:
+    """A length-delimited string field holding bytes that are not UTF-8."""
+    return bytes([field << 3 | 2, 2]) + b"\xff\xfe"
+
+
+def _hostile_cases(env: dict[str, Any]) -> list[tuple[str, str, bytes, grpc.StatusCode, str, str]]:
+    """(case, rpc, body, code, reason, words in details)."""
+    pid, t, ch = env["pool_id"], env["tenant"], env["chain"]
+    g = _geometry(env)
+    cases: list[tuple[str, str, bytes, grpc.StatusCode, str, str]] = []
+
+    def add(case: str, rpc: str, msg: Any, code: grpc.StatusCode, reason: str, words: str) -> None:
+        body = msg if isinstance(msg, bytes) else msg.SerializeToString()
+        cases.append((case, rpc, body, code, reason, words))
+
+    by_pool_id: dict[str, Callable[[str], Any]] = {
+        "UnregisterPool": lambda p: pb.UnregisterPoolRequest(pool_id=p),
+        "HoldPool": lambda p: pb.HoldPoolRequest(pool_id=p),
+        "Lookup": lambda p: pb.LookupRequest(pool_id=p, tenant=t, block_hashes=[H]),
+        "Touch": lambda p: pb.TouchRequest(pool_id=p, tenant=t, block_hashes=[H]),
+        "Offload": lambda p: pb.OffloadRequest(pool_id=p, tenant=t, block_hashes=[H], page_ids=[7]),
+        "Restore": lambda p: pb.RestoreRequest(pool_id=p, tenant=t, block_hashes=[H], page_ids=[7]),
+        "Drop": lambda p: pb.DropRequest(pool_id=p, tenant=t, block_hashes=[H]),
+        "WatchEvents": lambda p: pb.WatchEventsRequest(pool_id=p),
+    }
+    for rpc, make in by_pool_id.items():
+        add("20 kB pool id", rpc, make(LONG), NOT_FOUND, "UNKNOWN_POOL", "...(20000 bytes)")
+        add("pool id + newline", rpc, make(pid + "\n"), NOT_FOUND, "UNKNOWN_POOL", "\\n")
+        add("pool id with NUL", rpc, make(pid + "\0"), NOT_FOUND, "UNKNOWN_POOL", "\\x00")
+        add("non-UTF-8 pool id", rpc, make("é" * 3000), NOT_FOUND, "UNKNOWN_POOL", "(6000 bytes)")
+        field = 2 if rpc == "WatchEvents" else 1
+        add("pool id not UTF-8", rpc, _not_utf8(field), INVALID, "BAD_REQUEST", "not a valid")
+        add("truncated body", rpc, b"\x0a\x05ab", INVALID, "BAD_REQUEST", "not a valid")
+    add("truncated body", "Stats", b"\x0a\x05ab", INVALID, "BAD_REQUEST", "not a valid")
+    add("no pool id", "WatchEvents", pb.WatchEventsRequest(), INVALID, "BAD_REQUEST", "pool_id")
+    add(
+        "20 kB tenant",
+        "WatchEvents",
+        pb.WatchEventsRequest(pool_id=pid, tenant=b"t" * 20_000),
+        INVALID,
+        "BAD_REQUEST",
+        "20000 bytes",
+    )
+    # Block RPCs on the real pool: oversized and repeated fields.
+    for rpc, cls in (("Lookup", pb.LookupRequest), ("Touch", pb.TouchRequest)):
+        add(
+            "20 kB tenant",
+            rpc,
+            cls(pool_id=pid, tenant=b"t" * 20_000, block_hashes=[H]),
+            INVALID,
+            "BAD_REQUEST",
+            "got 20000 bytes",
+        )
+        add(
+            "100k hashes",
+            rpc,
+            cls(pool_id=pid, tenant=t, block_hashes=[os.urandom(32) for _ in range(100_000)]),
+            INVALID,
+            "BAD_REQUEST",
+            "limit 8",
+        )
+        add(
+            "20 kB hash",
+            rpc,
+            cls(pool_id=pid, tenant=t, block_hashes=[b"h" * 20_000]),
+            INVALID,
+            "BAD_REQUEST",
+            "has 20000 bytes",
+        )
+    add(
+        "100k page ids",
+        "Offload",
+        pb.OffloadRequest(pool_id=pid, tenant=t, block_hashes=ch[4:6], page_ids=range(100_000)),
+        INVALID,
+        "BAD_REQUEST",
+        "page_ids",
+    )
+    add(
+        "page id 2^32-1",
+        "Restore",
+        pb.RestoreRequest(pool_id=pid, tenant=t, block_hashes=ch[:1], page_ids=[2**32 - 1]),
+        INVALID,
+        "PAGE_OUT_OF_RANGE",
+        "out of range",
+    )
+    add(
+        "20 kB parent hash",
+        "Offload",
+        pb.OffloadRequest(
+            pool_id=pid, tenant=t, parent_hash=b"x" * 20_000, block_hashes=ch[4:5], page_ids=[4]
+        ),
+        INVALID,
+        "BAD_REQUEST",
+        "parent_hash has 20000 bytes",
+    )
+    add(
+        "20 kB CUDA event",
+        "Restore",
+        pb.RestoreRequest(
+            pool_id=pid,
+            tenant=t,
+            block_hashes=ch[:1],
+            page_ids=[5],
+            cuda_event_ipc_handle=b"e" * 20_000,
+        ),
+        INVALID,
+        "BAD_REQUEST",
+        "CUDA backend",
+    )
+
+    # RegisterPool: names, enums, strings and repeated fields.
+    def reg(name: str = "hostile", fp: bytes = FP, backend: int = 0, geo: Any = g) -> Any:
+        return pb.RegisterPoolRequest(
+            name=name, model_fingerprint=fp, geometry=geo, backend=backend
+        )
+
+    add("name + newline", "RegisterPool", reg("engine\n"), INVALID, "BAD_REQUEST", "name")
+    add("name with NUL", "RegisterPool", reg("engine\0"), INVALID, "BAD_REQUEST", "name")
+    add("20 kB name", "RegisterPool", reg(LONG), INVALID, "BAD_REQUEST", "name")
+    add("name not UTF-8", "RegisterPool", _not_utf8(1), INVALID, "BAD_REQUEST", "not a valid")
+    add("unknown backend", "RegisterPool", reg(backend=99), INVALID, "BAD_REQUEST", "enum value 99")
+    add(
+        "20 kB fingerprint", "RegisterPool", reg(fp=b"f" * 20_000), INVALID, "BAD_REQUEST", "1..256"
+    )
+    for what, mutate in (
+        (
+            "shm name + newline",
+            lambda x: setattr(x.buffers[0], "shm_name", x.buffers[0].shm_name + "\n"),
+        ),
+        ("dtype + newline", lambda x: setattr(x, "dtype", "bfloat16\n")),
+        ("dtype with NUL", lambda x: setattr(x, "dtype", "bf\0")),
+        ("20 kB layout", lambda x: setattr(x, "layout", LONG)),
+        ("5000 buffers", lambda x: x.buffers.extend([x.buffers[0]] * 5000)),
+        ("70k segments", lambda x: x.segments.extend([x.segments[0]] * 70_000)),
+    ):
+        geo = _geometry(env)
+        mutate(geo)
+        add(what, "RegisterPool", reg(geo=geo), INVALID, "BAD_REQUEST", "geometry")
+    return cases
+
+
+def test_every_rpc_refuses_hostile_input_with_its_status_and_changes_nothing(
+    env: dict[str, Any],
+) -> None:
+    """Table: each RPC x hostile input gives the exact documented status and reason,
+    a bounded printable message (never a transport error: no input decides the
+    status), and leaves stats, index, pages and the stored blocks exactly as
+    they were."""
+    d, c = env["d"], env["c"]
+    for case, rpc, body, code, reason, words in _hostile_cases(env):
+        before = _snapshot(env)
+        got = _raw(d.target, rpc, body)
+        where = f"{rpc} / {case}: {got[0]} {got[1]} {got[2][:200]!r}"
+        assert got[:2] == (code, reason), where
+        assert words in got[2], where
+        assert len(got[2]) <= 1024 and got[2].isascii() and got[2].isprintable(), where
+        assert c.health() == "SERVING", where
+        assert _snapshot(env) == before, where
+    assert LONG[:100] not in d.log()
+    # The stored reference blocks are still byte-exact.
+    c.restore(env["pool_id"], env["tenant"], env["chain"][:2], [6, 7])
+    pool: SharedKVPool = env["pool"]
+    assert pool.read_block(6) == env["data"][0] and pool.read_block(7) == env["data"][1]

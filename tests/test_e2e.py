@@ -162,7 +162,7 @@ def test_events_stream(daemon: DaemonProc, pool_factory: Callable[..., SharedKVP
         done = threading.Event()
 
         def watch() -> None:
-            stream = c.watch_events(tenant=tenant, timeout=20)
+            stream = c.watch_events(h.pool_id, tenant=tenant, timeout=20)
             subscribed.set()
             try:
                 for ev in stream:

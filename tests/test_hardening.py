@@ -218,8 +218,8 @@ def test_failed_store_cascade_announces_removed_descendants(
     published and watchers (llm-d's KV-event indexer) keep a phantom block."""
     r = rig_factory()
     h1, h2 = _chain(2)
-    sub = r.cache.events.subscribe(b"")
-    assert sub is not None
+    r.cache.note_tenant(r.pool_id, r.tenant)  # as the service does for each block request
+    _, sub = r.cache.subscribe_events(r.pool_id, b"")
     gate, entered = threading.Event(), threading.Event()
     real_seal = r.backend.seal_blocks
     calls = {"n": 0}
@@ -269,8 +269,8 @@ def test_stored_event_never_follows_removal_of_the_same_block(
     concurrent Drop at the exact interleaving point (inside publish)."""
     r = rig_factory()
     (h,) = _chain(1)
-    sub = r.cache.events.subscribe(b"")
-    assert sub is not None
+    r.cache.note_tenant(r.pool_id, r.tenant)  # as the service does for each block request
+    _, sub = r.cache.subscribe_events(r.pool_id, b"")
     real_publish = r.cache.events.publish
     fired = {"done": False}
 

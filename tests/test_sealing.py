@@ -19,6 +19,7 @@ import ctypes
 import os
 import re
 import struct
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -639,6 +640,41 @@ def test_epoch_keeps_key_only_in_a_wipeable_buffer() -> None:
     assert bytes(epoch._key) != bytes(32)
     epoch.destroy()
     assert bytes(epoch._key) == bytes(32)
+
+
+def test_retired_epoch_drops_its_cipher_and_the_key_schedules_with_it() -> None:
+    """AESGCM holds the expanded key (OpenSSL contexts, cleansed when freed):
+    a retired epoch must not keep it alive until the epoch object is collected,
+    and must refuse to seal or open with a wiped key."""
+    sealer = BlockSealer(rekey_after=1)
+    seal(sealer, b"old", ad())
+    old = sealer._epochs[0]
+    aead = old.aead
+    assert aead is not None
+    held = sys.getrefcount(aead)
+    seal(sealer, b"new", ad())  # epoch 1 starts; epoch 0 still has a live block
+    assert old.aead is aead
+    sealer.forget(0)  # its last block is gone: destroyed
+    assert 0 not in sealer._epochs
+    assert old.aead is None and sys.getrefcount(aead) == held - 1  # only ours is left
+    assert bytes(old._key) == bytes(32)
+    with pytest.raises(SealingError):
+        old.cipher()
+
+
+def test_close_wipes_every_key_and_refuses_to_seal_afterwards() -> None:
+    sealer = BlockSealer(rekey_after=1)
+    rec, sealed = seal(sealer, b"a", ad())
+    seal(sealer, b"b", ad())
+    epochs = list(sealer._epochs.values())
+    assert len(epochs) == 2
+    sealer.close()
+    assert sealer.live_epochs == 0
+    assert all(e.aead is None and bytes(e._key) == bytes(32) for e in epochs)
+    with pytest.raises(SealingError):
+        seal(sealer, b"c", ad())
+    with pytest.raises(SealingError):
+        open_(sealer, rec, ad(), bytes(sealed))
 
 
 def test_device_key_api_matches_host_sealing() -> None:

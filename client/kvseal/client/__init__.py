@@ -23,7 +23,7 @@ from kvseal.client.client import (
     PoolHold,
     RestoreResult,
 )
-from kvseal.client.hashing import NONE_HASH, chain_block_hashes, tenant_digest
+from kvseal.client.hashing import NONE_HASH, chain_block_hashes, load_tenant_key, tenant_digest
 
 __all__ = [
     "NONE_HASH",
@@ -37,5 +37,6 @@ __all__ = [
     "PoolHold",
     "RestoreResult",
     "chain_block_hashes",
+    "load_tenant_key",
     "tenant_digest",
 ]

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+from kvseal.client.hashing import load_tenant_key, tenant_digest
 from kvseal.client.liveness import daemon_gone
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
@@ -95,6 +96,9 @@ class ClientConfig:
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
     tls_server_name: str | None = None
+    # Key of the tenant digests (hashing.tenant_digest): $KVSEAL_TENANT_KEY_FILE by
+    # default, None (unkeyed) when unset. Never sent to the daemon.
+    tenant_key: bytes | None = field(default_factory=load_tenant_key, repr=False)
 
     def __post_init__(self) -> None:
         if min(self.timeout_s, self.lookup_timeout_s, self.transfer_timeout_s) <= 0:
@@ -601,12 +605,20 @@ class KVSealClient:
         reply: pb.StatsReply = self._call("Stats", pb.StatsRequest())
         return reply
 
+    def tenant_digest(self, cache_salt: str | bytes | None) -> bytes:
+        """The tenant digest of ``cache_salt`` under this client's ``tenant_key``."""
+        return tenant_digest(cache_salt, key=self.config.tenant_key)
+
     def watch_events(
-        self, tenant: bytes = b"", timeout: float | None = None
+        self, pool_id: str, tenant: bytes = b"", timeout: float | None = None
     ) -> Iterator[pb.BlockEvent]:
-        """Stream of block events; ends with KVSealRpcError (e.g.
-        RESOURCE_EXHAUSTED if this watcher fell behind: resubscribe)."""
-        call = self._stub.WatchEvents(pb.WatchEventsRequest(tenant=tenant), timeout=timeout)
+        """Stream of the block events of ``pool_id``'s namespace, for the tenants
+        requests on that pool have named (only ``tenant``'s when given); ends with
+        KVSealRpcError: RESOURCE_EXHAUSTED if this watcher fell behind (resubscribe
+        and resync), NOT_FOUND / UNKNOWN_POOL once the pool is gone."""
+        call = self._stub.WatchEvents(
+            pb.WatchEventsRequest(pool_id=pool_id, tenant=tenant), timeout=timeout
+        )
         try:
             yield from call
         except grpc.RpcError as e:

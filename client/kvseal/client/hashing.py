@@ -7,15 +7,28 @@ into the root of the chain (as vLLM does for the first block since
 CVE-2025-46570), and separately into the tenant digest that the daemon uses
 as an index namespace: two tenants never share or even probe each other's
 blocks, whatever their tokens.
+
+The tenant digest should be *keyed*: the daemon hands digests to the peers it
+admits (WatchEvents of their own pools) and keeps them in its index, and an
+unkeyed SHA-256 of a guessable salt (a user id, a session number) falls to an
+offline search. With a deployment secret (``KVSEAL_TENANT_KEY_FILE``, or
+``ClientConfig.tenant_key``) the digest is HMAC-SHA256 under it: engines that
+should share a cache share the key; a peer without it can neither invert a
+digest nor compute one for a salt it guesses.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
+import stat
 import struct
 from collections.abc import Sequence
 
 HASH_BYTES = 32
+MIN_TENANT_KEY_BYTES = 32
+TENANT_KEY_ENV = "KVSEAL_TENANT_KEY_FILE"
 NONE_HASH = hashlib.sha256(b"kvseal/root/v1\x00").digest()
 
 
@@ -25,10 +38,40 @@ def _salt_bytes(cache_salt: str | bytes | None) -> bytes:
     return cache_salt.encode() if isinstance(cache_salt, str) else bytes(cache_salt)
 
 
-def tenant_digest(cache_salt: str | bytes | None) -> bytes:
+def tenant_digest(cache_salt: str | bytes | None, *, key: bytes | None = None) -> bytes:
     """The 32-byte tenant namespace for a cache salt (None: the shared,
-    unsalted tenant). The salt itself never leaves the engine."""
-    return hashlib.sha256(b"kvseal/tenant/v1\x00" + _salt_bytes(cache_salt)).digest()
+    unsalted tenant). The salt itself never leaves the engine.
+
+    With ``key`` (at least 32 bytes, see :func:`load_tenant_key`): HMAC-SHA256
+    under it, which a peer without the key cannot compute or search. Without:
+    an unkeyed SHA-256 (the default; fine for unguessable salts only). The two
+    never coincide, so engines that should share a cache must agree on the key."""
+    salt = _salt_bytes(cache_salt)
+    if key is None:
+        return hashlib.sha256(b"kvseal/tenant/v1\x00" + salt).digest()
+    if len(key) < MIN_TENANT_KEY_BYTES:
+        raise ValueError(f"a tenant key must have at least {MIN_TENANT_KEY_BYTES} bytes")
+    return hmac.new(key, b"kvseal/tenant/v2\x00" + salt, hashlib.sha256).digest()
+
+
+def load_tenant_key(path: str | None = None) -> bytes | None:
+    """The tenant key in ``path`` (default: ``$KVSEAL_TENANT_KEY_FILE``; None when
+    neither is set): the file's raw bytes, at least 32 (e.g. ``head -c 32
+    /dev/urandom``). Refused (ValueError) when the file is readable or writable
+    by group or others, or too short: a key others can read protects nothing."""
+    path = path if path is not None else os.environ.get(TENANT_KEY_ENV) or None
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ValueError(f"tenant key file {path} must not be accessible to group/others")
+        key = f.read(4096)
+    if len(key) < MIN_TENANT_KEY_BYTES:
+        raise ValueError(
+            f"tenant key file {path} holds {len(key)} bytes; at least {MIN_TENANT_KEY_BYTES}"
+        )
+    return key
 
 
 def root_hash(cache_salt: str | bytes | None) -> bytes:

@@ -358,10 +358,12 @@ class StatsReply(_message.Message):
     def __init__(self, server_instance: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_detail: _Optional[str] = ..., host_bytes_capacity: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., blocks_pending: _Optional[int] = ..., blocks_pinned: _Optional[int] = ..., pools: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., restored_blocks: _Optional[int] = ..., restored_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., integrity_policy: _Optional[str] = ..., key_epoch: _Optional[int] = ..., seals_under_current_key: _Optional[int] = ..., rekey_after: _Optional[int] = ..., host_region: _Optional[str] = ..., pool_holds: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("tenant",)
+    __slots__ = ("tenant", "pool_id")
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
     tenant: bytes
-    def __init__(self, tenant: _Optional[bytes] = ...) -> None: ...
+    pool_id: str
+    def __init__(self, tenant: _Optional[bytes] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("sequence", "kind", "reason", "namespace", "tenant", "block_hashes", "medium")

@@ -29,7 +29,7 @@ from kvseal.server.errors import (
     ShuttingDown,
     UnknownPool,
 )
-from kvseal.server.events import EventBus, EventKind
+from kvseal.server.events import EventBus, EventKind, Subscription
 from kvseal.server.index import Entry, Index, Removal, State, StoreOutcome
 from kvseal.server.pools import Pool, PoolRegistry, PoolSpec
 from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer
@@ -37,6 +37,8 @@ from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer
 log = logging.getLogger("kvseal.cache")
 MAX_OWNER_TOKEN = 64
 F = TypeVar("F", bound=Callable[..., Any])
+# Tenants remembered per pool for its event watchers (32 B each, plus dict overhead).
+MAX_POOL_TENANTS = 65536
 
 
 def _request(fn: F) -> F:
@@ -127,6 +129,7 @@ class SealedCache:
         self.draining = threading.Event()
         self._holds: dict[str, int] = {}  # pool id -> open HoldPool streams
         self._holds_lock = threading.Lock()
+        self._tenants_lock = threading.Lock()
         self.index = Index(region.capacity, on_free=self._on_free, on_event=self._on_event)
         self.counters = Counters()
         self._counter_lock = threading.Lock()
@@ -310,6 +313,54 @@ class SealedCache:
     def open_holds(self) -> int:
         with self._holds_lock:
             return sum(self._holds.values())
+
+    # ---------------------------------------------------------------- events
+
+    def note_tenant(self, pool_id: str, tenant: bytes) -> None:
+        """Record that a request on ``pool_id`` names ``tenant``, so that the pool's
+        event watchers receive that tenant's events. Called before the request
+        runs (a watcher sees the events the request itself causes); a malformed
+        tenant or an unknown pool is ignored (the request reports it). Beyond
+        ``MAX_POOL_TENANTS`` tenants the first-named is forgotten until its next
+        request (a known tenant is never removed and re-added: the publisher reads
+        the set without this lock, and must not see it missing meanwhile)."""
+        if len(tenant) != TENANT_BYTES:
+            return
+        try:
+            with self.pools.use(pool_id) as pool:
+                used = pool.tenants
+                if tenant in used:  # the common case: no lock
+                    return
+                with self._tenants_lock:
+                    used[tenant] = None
+                    while len(used) > MAX_POOL_TENANTS:
+                        del used[next(iter(used))]
+        except UnknownPool:
+            return
+
+    def subscribe_events(self, pool_id: str, tenant: bytes) -> tuple[Pool, Subscription]:
+        """A WatchEvents subscription scoped to the pool (see ``events``): its
+        namespace, the tenants its requests named, optionally one ``tenant``.
+        BadRequest for an empty pool id or a tenant that is neither empty nor 32
+        bytes, UnknownPool, CapacityExhausted beyond ``max_watchers``, ShuttingDown
+        while draining. The caller must close the subscription; the pool is not
+        leased (its ``closed`` flag tells when it is unregistered or replaced)."""
+        if self.draining.is_set():
+            raise ShuttingDown("kvseal is shutting down")
+        if not pool_id:
+            raise BadRequest(
+                "pool_id is required: a watcher sees only events of its own pool's "
+                "namespace and of tenants that pool's requests named"
+            )
+        if tenant and len(tenant) != TENANT_BYTES:
+            raise BadRequest(
+                f"tenant must be empty or a {TENANT_BYTES}-byte digest, got {len(tenant)} bytes"
+            )
+        with self.pools.use(pool_id) as pool:
+            sub = self.events.subscribe(pool.namespace, pool.tenants, tenant)
+        if sub is None:
+            raise CapacityExhausted(f"too many event watchers (limit {self.config.max_watchers})")
+        return pool, sub
 
     # ---------------------------------------------------------------- blocks
 
@@ -557,4 +608,5 @@ class SealedCache:
         # whose release needs the context that backend.close() gives back.
         self.region.close()
         self.backend.close()
+        self.sealer.close()  # last: wipe the keys (the backend no longer needs them)
         return True

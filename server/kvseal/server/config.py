@@ -19,7 +19,7 @@ class IntegrityPolicy(Enum):
 
 EXIT_INTEGRITY = 3  # exit status after an integrity abort (systemd: do not restart)
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)  # fullmatch
 _UNITS = {
     "": 1,
     "B": 1,
@@ -44,7 +44,7 @@ _UNITS = {
 
 def parse_size(text: str) -> int:
     """'64GiB' -> 68719476736. Raises ValueError with the offending text."""
-    m = _SIZE.match(text)
+    m = _SIZE.fullmatch(text)
     if not m:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 64GiB)")
     unit = (m.group(2) or "").upper()

@@ -11,15 +11,57 @@ from __future__ import annotations
 import grpc
 
 ERROR_METADATA_KEY = "kvseal-error"
+# Bounds on what a reply may carry back. gRPC sends the status message as the
+# ``grpc-message`` trailer, percent-encoding every byte outside printable ASCII,
+# and a trailer block over its limit (8 KiB by default) turns the reply into a
+# transport error (RESOURCE_EXHAUSTED): an input must never decide the status.
+MAX_ECHO_CHARS = 64  # of one echoed user value
+MAX_MESSAGE_CHARS = 1024  # of a whole status message, after escaping
+
+
+def _printable(text: str) -> str:
+    """``text`` with every character outside printable ASCII backslash-escaped
+    (so a message can neither forge log lines nor grow when percent-encoded)."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in text)
+
+
+def echo(value: str | bytes) -> str:
+    """A user-supplied value as an error message may quote it: quoted, escaped to
+    printable ASCII, at most ``MAX_ECHO_CHARS`` characters of it, then
+    ``...(N bytes)`` when it was longer. Bytes are shown as hex."""
+    if isinstance(value, bytes):
+        head = value[: MAX_ECHO_CHARS // 2].hex()
+        size = len(value)
+        cut = size > MAX_ECHO_CHARS // 2
+    else:
+        head = ascii(value[:MAX_ECHO_CHARS])
+        size = len(value.encode("utf-8", "surrogatepass"))
+        cut = len(value) > MAX_ECHO_CHARS
+    return f"{head}...({size} bytes)" if cut else head
+
+
+def bound_message(message: str) -> str:
+    """``message`` escaped to printable ASCII and cut to ``MAX_MESSAGE_CHARS``."""
+    total = len(message)
+    text = _printable(message[:MAX_MESSAGE_CHARS])
+    if total <= MAX_MESSAGE_CHARS and len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    suffix = f"...({total} chars)"
+    return text[: MAX_MESSAGE_CHARS - len(suffix)] + suffix
 
 
 class KVSealError(Exception):
-    """Base class. ``message`` is safe to send to the client and to log."""
+    """Base class. ``message`` is safe to send to the client and to log: it is
+    bounded and printable ASCII whatever the caller passed (see :func:`echo`
+    for quoting user values, which every raiser should use)."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     reason: str = "ERROR_REASON_UNSPECIFIED"
 
     def __init__(self, message: str) -> None:
+        message = bound_message(message)
         super().__init__(message)
         self.message = message
 

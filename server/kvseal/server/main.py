@@ -48,9 +48,8 @@ from kvseal.server.config import (
 )
 from kvseal.server.hostregion import RegionError
 from kvseal.server.peercred import PeerCredGate
-from kvseal.server.service import KVSealServicer
+from kvseal.server.service import KVSealServicer, add_to_server
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvseal")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVSeal"].full_name
@@ -539,7 +538,7 @@ class Daemon:
             ],
             maximum_concurrent_rpcs=cfg.grpc_threads * 4 + cfg.max_watchers + cfg.max_holds,
         )
-        pb_grpc.add_KVSealServicer_to_server(  # type: ignore[no-untyped-call]
+        add_to_server(
             KVSealServicer(cache, instance, on_done=metrics.on_request if metrics else None), server
         )
         health_servicer = health.HealthServicer(experimental_non_blocking=True)

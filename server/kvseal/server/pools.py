@@ -18,18 +18,22 @@ import struct
 import threading
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvseal.server.errors import BadRequest, CapacityExhausted, PoolNameTaken, UnknownPool
+from kvseal.server.errors import BadRequest, CapacityExhausted, PoolNameTaken, UnknownPool, echo
 
 MAX_BUFFERS = 4096
 MAX_SEGMENTS = 65536
 MAX_PAGES = 2**31 - 1
 MAX_BLOCK_BYTES = 1 << 30
 MAX_FINGERPRINT = 256
-_SHM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,250}$")
-_POOL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}$")
+# Always used with fullmatch: ``$`` would also accept a trailing newline.
+_SHM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,250}")
+_POOL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}")
+# dtype and layout end up in logs: printable ASCII only (no newline, NUL, escapes).
+_DTYPE = re.compile(r"[ -~]{1,64}")
+_LAYOUT = re.compile(r"[ -~]{0,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +80,14 @@ class Geometry:
             raise BadRequest(f"geometry.buffers must have 1..{MAX_BUFFERS} entries")
         if not self.segments or len(self.segments) > MAX_SEGMENTS:
             raise BadRequest(f"geometry.segments must have 1..{MAX_SEGMENTS} entries")
-        if not self.dtype or len(self.dtype) > 64 or len(self.layout) > 64:
-            raise BadRequest("geometry.dtype is required (and dtype/layout are at most 64 chars)")
+        if not _DTYPE.fullmatch(self.dtype) or not _LAYOUT.fullmatch(self.layout):
+            raise BadRequest(
+                "geometry.dtype is required; dtype and layout are at most 64 "
+                "printable ASCII characters"
+            )
         for i, b in enumerate(self.buffers):
             if backend == "cpu":
-                if b.shm_name is None or not _SHM_NAME.match(b.shm_name):
+                if b.shm_name is None or not _SHM_NAME.fullmatch(b.shm_name):
                     raise BadRequest(
                         f"geometry.buffers[{i}] needs a shm_name of letters, digits, '.', '_', '-' "
                         "(no '/') on the CPU backend"
@@ -310,7 +317,7 @@ class PoolSpec:
     backend: str  # "cpu" | "cuda"
 
     def validate(self) -> None:
-        if not _POOL_NAME.match(self.name):
+        if not _POOL_NAME.fullmatch(self.name):
             raise BadRequest("name must be 1-128 chars of letters, digits, '.', '_', ':', '-'")
         if not 1 <= len(self.model_fingerprint) <= MAX_FINGERPRINT:
             raise BadRequest(f"model_fingerprint must be 1..{MAX_FINGERPRINT} bytes")
@@ -350,6 +357,9 @@ class Pool:
     closed: bool = False
     owner_token: bytes = b""  # proves ownership of the name (see PoolRegistry.add)
     holds: int = 0  # open HoldPool streams: a held name is not taken over
+    # Tenants this pool's requests named, oldest first (SealedCache.note_tenant):
+    # the tenants whose events its WatchEvents stream may carry.
+    tenants: dict[bytes, None] = field(default_factory=dict)
 
     @property
     def block_bytes(self) -> int:
@@ -422,7 +432,7 @@ class PoolRegistry:
         with self._lock:
             pool = self._by_id.get(pool_id)
             if pool is None:
-                raise UnknownPool(f"pool {pool_id!r} is not registered")
+                raise UnknownPool(f"pool {echo(pool_id)} is not registered")
             pool.holds += 1
 
     def release(self, pool_id: str) -> None:
@@ -437,7 +447,7 @@ class PoolRegistry:
         with self._lock:
             pool = self._by_id.pop(pool_id, None)
         if pool is None:
-            raise UnknownPool(f"pool {pool_id!r} is not registered")
+            raise UnknownPool(f"pool {echo(pool_id)} is not registered")
         self._retire(pool)
         return pool
 
@@ -454,8 +464,8 @@ class PoolRegistry:
             pool = self._by_id.get(pool_id)
             if pool is None:
                 raise UnknownPool(
-                    f"pool {pool_id!r} is not registered (unregistered, replaced, or the daemon "
-                    "restarted): register it again"
+                    f"pool {echo(pool_id)} is not registered (unregistered, replaced, or the "
+                    "daemon restarted): register it again"
                 )
             pool.in_use += 1
         try:

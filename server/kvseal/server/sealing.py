@@ -133,9 +133,18 @@ class _Epoch:
     The key lives in a ctypes buffer owned by the epoch, never in an
     immutable Python ``bytes``: it is ``mlock``ed (kept out of swap, which in
     a CVM may be host-backed) where the limit allows, handed to ``AESGCM``
-    (which keeps its own copy) and, for the GPU backend, written into a
-    caller's buffer by :meth:`BlockSealer.export_key_to`. ``destroy`` wipes
-    it when the epoch's last block is gone.
+    and, for the GPU backend, written into a caller's buffer by
+    :meth:`BlockSealer.export_key_to`.
+
+    ``AESGCM`` (cryptography >= 42 on OpenSSL >= 3.2) keeps no reference to
+    the buffer: its constructor expands the key into two OpenSSL cipher
+    contexts on the heap (encrypt and decrypt: round keys and the GHASH key
+    H), and every call works on a heap copy of one that it frees on return;
+    ``EVP_CIPHER_CTX_free`` cleanses each. (With an older OpenSSL it keeps a
+    reference to the buffer instead and builds a context per call.) So
+    ``destroy`` wipes the buffer *and* drops the epoch's ``AESGCM``: its
+    contexts are freed and cleansed then, or as soon as a call already running
+    on it returns, instead of whenever the epoch object is collected.
     """
 
     __slots__ = ("_key", "_locked", "aead", "counter", "index", "live", "prefix")
@@ -143,8 +152,11 @@ class _Epoch:
     def __init__(self, index: int) -> None:
         self._key = (ctypes.c_char * KEY_BYTES)()
         self._locked = _libc().mlock(self._key, ctypes.c_size_t(KEY_BYTES)) == 0
+        self.aead: AESGCM | None = None
         try:
             _fill_random(self._key)
+            # A view of the buffer, not a copy (and never released: with an older
+            # OpenSSL the AESGCM keeps it to rebuild a context per call).
             self.aead = AESGCM(memoryview(self._key).cast("B"))
         except BaseException:
             self.destroy()
@@ -159,7 +171,17 @@ class _Epoch:
             raise SealingError("key destination must hold 32 bytes")
         ctypes.memmove(dst, self._key, KEY_BYTES)
 
+    def cipher(self) -> AESGCM:
+        """The epoch's cipher; SealingError once the epoch is destroyed."""
+        aead = self.aead
+        if aead is None:
+            raise SealingError(f"key epoch {self.index} is gone")
+        return aead
+
     def destroy(self) -> None:
+        """Wipe the key and drop the cipher (and with it OpenSSL's expanded key
+        schedules, cleansed when freed). Idempotent."""
+        self.aead = None
         ctypes.memset(self._key, 0, KEY_BYTES)
         if self._locked:
             _libc().munlock(self._key, ctypes.c_size_t(KEY_BYTES))
@@ -183,6 +205,7 @@ class BlockSealer:
         self.rekey_after = rekey_after
         self._lock = threading.Lock()
         self._epochs: dict[int, _Epoch] = {}
+        self._closed = False
         self._current = self._new_epoch(0)
 
     def __repr__(self) -> str:
@@ -207,6 +230,8 @@ class BlockSealer:
 
     def _rotate_if_needed(self, n: int) -> _Epoch:
         """The epoch to draw ``n`` nonces from (caller holds the lock)."""
+        if self._closed:
+            raise SealingError("the sealer is closed: its keys are wiped")
         epoch = self._current
         if epoch.counter + n > self.rekey_after:
             if n > self.rekey_after:
@@ -273,7 +298,7 @@ class BlockSealer:
         aad = ad.encode()
         epoch, nonce = self._allocate()
         try:
-            epoch.aead.encrypt_into(nonce, plaintext, aad, out)
+            epoch.cipher().encrypt_into(nonce, plaintext, aad, out)
         except BaseException:
             self.forget(epoch.index)
             raise
@@ -296,9 +321,18 @@ class BlockSealer:
         if epoch is None:
             raise SealingError(f"key epoch {record.epoch} is gone")
         try:
-            epoch.aead.decrypt_into(record.nonce, sealed, ad.encode(), out)
+            epoch.cipher().decrypt_into(record.nonce, sealed, ad.encode(), out)
         except InvalidTag:
             raise AuthenticationFailed("authentication failed") from None
+
+    def close(self) -> None:
+        """Wipe every epoch's key and drop its cipher (shutdown, once no seal or
+        open runs). Afterwards every seal and open raises SealingError."""
+        with self._lock:
+            self._closed = True
+            for epoch in self._epochs.values():
+                epoch.destroy()
+            self._epochs.clear()
 
     def forget(self, epoch_index: int) -> None:
         """One block sealed under ``epoch_index`` is gone; drop the epoch's

@@ -3,7 +3,12 @@
 Handlers are thin: convert, call the cache, convert back. Every domain error
 becomes its status code (table in ``errors``) plus the machine-readable
 reason in trailing metadata; anything unexpected becomes INTERNAL with a
-generic message (details go to the log, never to the client).
+generic message (details go to the log, never to the client). A request body
+that does not parse (a string field that is not UTF-8, a truncated message, a
+wrong wire type) is INVALID_ARGUMENT / BAD_REQUEST like any other bad input:
+:func:`add_to_server` installs deserializers that never raise. Status messages
+are bounded (``errors.bound_message``), so no input decides the status a
+client sees.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from kvseal.server import convert, telemetry
 from kvseal.server.cache import SealedCache
 from kvseal.server.deadline import MAX_GRACE_MS, Deadline
@@ -25,6 +31,8 @@ from kvseal.server.errors import (
     EventsOverflow,
     KVSealError,
     ShuttingDown,
+    UnknownPool,
+    echo,
 )
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
@@ -33,9 +41,79 @@ from opentelemetry import trace
 log = logging.getLogger("kvseal.service")
 R = TypeVar("R")
 Hook = Callable[[str, grpc.StatusCode], None]
+SERVICE = pb.DESCRIPTOR.services_by_name["KVSeal"]
+# Block RPCs: their (pool_id, tenant) is noted before they run, for WatchEvents.
+_TENANT_RPCS = frozenset({"Lookup", "Touch", "Offload", "Restore", "Drop"})
+
+
+class Undecodable:
+    """Stands for a request body that did not parse as ``type_name``."""
+
+    __slots__ = ("type_name",)
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+    def error(self) -> BadRequest:
+        return BadRequest(
+            f"the request is not a valid {self.type_name} (e.g. a string field that is "
+            "not UTF-8, a truncated message or a field of the wrong wire type)"
+        )
+
+
+def _deserializer(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    def parse(data: bytes) -> Message | Undecodable:
+        try:
+            return cls.FromString(data)
+        except DecodeError:
+            return Undecodable(cls.DESCRIPTOR.full_name)
+
+    return parse
+
+
+def add_to_server(servicer: KVSealServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` like the generated ``add_KVSealServicer_to_server``,
+    except that a request that does not parse reaches kvseal (and becomes
+    INVALID_ARGUMENT / BAD_REQUEST) instead of gRPC's own INTERNAL
+    "Exception deserializing request!"."""
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for m in SERVICE.methods:
+        req_cls = getattr(pb, m.input_type.name)
+        rep_cls = getattr(pb, m.output_type.name)
+        behaviour = _refuse_undecodable(m.name, getattr(servicer, m.name), servicer)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if m.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[m.name] = make(
+            behaviour,
+            request_deserializer=_deserializer(req_cls),
+            response_serializer=rep_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)  # type: ignore[attr-defined]
+
+
+def _refuse_undecodable(
+    name: str, method: Callable[[Any, grpc.ServicerContext], Any], servicer: KVSealServicer
+) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            if servicer.on_done is not None:
+                servicer.on_done(name, grpc.StatusCode.INVALID_ARGUMENT)
+            return _abort(context, request.error())
+        return method(request, context)
+
+    return call
 
 
 def _abort(context: grpc.ServicerContext, err: KVSealError) -> Any:
+    """End the call with ``err``'s status and reason. ``err.message`` is bounded
+    and printable ASCII (``KVSealError``), so the trailers stay far below gRPC's
+    metadata limit whatever the request held."""
     context.set_trailing_metadata(((ERROR_METADATA_KEY, err.reason),))
     context.abort(err.code, err.message)
 
@@ -54,6 +132,8 @@ def handler(fn: Callable[..., R]) -> Callable[..., R]:
         try:
             with telemetry.rpc_span(fn.__name__, context.invocation_metadata()) as span:
                 try:
+                    if fn.__name__ in _TENANT_RPCS:
+                        self.cache.note_tenant(request.pool_id, bytes(request.tenant))
                     return fn(self, request, context)
                 except KVSealError as e:
                     code = e.code
@@ -250,14 +330,15 @@ class KVSealServicer(pb_grpc.KVSealServicer):
     def WatchEvents(
         self, request: pb.WatchEventsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.BlockEvent]:
-        if request.tenant and len(request.tenant) != 32:
-            context.set_trailing_metadata(((ERROR_METADATA_KEY, "BAD_REQUEST"),))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant must be empty or 32 bytes")
-        sub = self.cache.events.subscribe(bytes(request.tenant))
-        if sub is None:
-            context.set_trailing_metadata(((ERROR_METADATA_KEY, "CAPACITY_EXHAUSTED"),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many event watchers")
-        assert sub is not None
+        """See the proto: events of ``pool_id``'s namespace, for tenants that pool's
+        requests named (optionally only ``tenant``). Ends with NOT_FOUND /
+        UNKNOWN_POOL when the pool is unregistered or replaced (register again,
+        resubscribe, resync)."""
+        try:
+            pool, sub = self.cache.subscribe_events(request.pool_id, bytes(request.tenant))
+        except KVSealError as e:
+            _abort(context, e)
+            return
         try:
             # Tell the client the subscription is live before any event: lets
             # it order "subscribe, then resync" without a race.
@@ -268,6 +349,14 @@ class KVSealServicer(pb_grpc.KVSealServicer):
                 if sub.overflowed and sub.queue.empty():
                     _abort(
                         context, EventsOverflow("event watcher fell behind; resubscribe and resync")
+                    )
+                if pool.closed and sub.queue.empty():
+                    _abort(
+                        context,
+                        UnknownPool(
+                            f"pool {echo(pool.pool_id)} was unregistered or replaced: "
+                            "register it again and resubscribe"
+                        ),
                     )
                 try:
                     ev = sub.queue.get(timeout=0.25)
