@@ -132,7 +132,10 @@ def test_engine_pool_first_lookup_does_not_degrade(
     cfg = ClientConfig(target=slow(1.0), timeout_s=10, lookup_timeout_s=10)
     with KVSealClient(cfg) as c:
         engine = EnginePool(c, "engine", FP, pool.geometry(), hold=False)
-        assert engine.lookup(tenant, hashes) == 2  # the very first call, on a slow connection
+        # Registration runs in the background, on the same slow connection: it
+        # must wait for the handshake, not give up after gRPC's connect minimum.
+        assert engine.wait_ready(20)
+        assert engine.lookup(tenant, hashes) == 2
         assert engine.failures == 0
         engine.close()
 
