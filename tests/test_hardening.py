@@ -224,13 +224,13 @@ def test_failed_store_cascade_announces_removed_descendants(
     real_seal = r.backend.seal_blocks
     calls = {"n": 0}
 
-    def seal(pool: Any, blocks: Any, region: Any, wait_event: Any = None) -> Any:
+    def seal(pool: Any, blocks: Any, region: Any, wait_event: Any = None, **kw: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:  # request A: fails after B has committed
             entered.set()
             gate.wait(10)
             raise RuntimeError("injected seal failure (e.g. ENOSPC on the region file)")
-        return real_seal(pool, blocks, region, wait_event)
+        return real_seal(pool, blocks, region, wait_event, **kw)
 
     monkeypatch.setattr(r.backend, "seal_blocks", seal)
     errs: list[BaseException] = []
@@ -329,11 +329,13 @@ def test_abort_stops_restores_already_in_flight(
     gate, entered = threading.Event(), threading.Event()
     real_open = r.backend.open_blocks
 
-    def open_blocks(pool: Any, blocks: Any, records: Any, region: Any, we: Any = None) -> Any:
+    def open_blocks(
+        pool: Any, blocks: Any, records: Any, region: Any, we: Any = None, **kw: Any
+    ) -> Any:
         if blocks[0].ad.block_hash == good:
             entered.set()
             gate.wait(10)
-        return real_open(pool, blocks, records, region, we)
+        return real_open(pool, blocks, records, region, we, **kw)
 
     monkeypatch.setattr(r.backend, "open_blocks", open_blocks)
     r.pool.fill_page(5, 0xA5)
