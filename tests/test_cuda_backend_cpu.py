@@ -16,6 +16,7 @@ import hashlib
 import os
 import random
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -1153,3 +1154,171 @@ def test_deferred_device_round_trip_is_byte_exact(emu: E.Emulator) -> None:
         assert all(r.read(p) == plain[p] for p in plain) and not dev.queued
     finally:
         backend.close()
+
+
+# --------------------------------------------------------------------------------------
+# A backend that can no longer serve: reported once, health NOT_SERVING, exit 4
+# --------------------------------------------------------------------------------------
+
+
+class LosesContext(EmulatedDevice):
+    """An emulated GPU whose context can be lost (as after an Xid / a reset): from then
+    on every call that makes it current fails with CONTEXT_IS_DESTROYED (709)."""
+
+    lost = False
+
+    def make_current(self) -> None:
+        if self.lost:
+            raise CudaError("cuCtxSetCurrent failed: CUDA_ERROR_CONTEXT_IS_DESTROYED (709)", 709)
+
+
+def test_sticky_error_reports_the_backend_broken_once(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, dev, _sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    reports: list[str] = []
+    backend.set_on_broken(reports.append)
+    backend.seal_blocks(pool, r.blocks([0]), region)
+    assert backend.broken is None and reports == []
+
+    def trap(*a: object, **k: object) -> None:
+        raise CudaError("cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)", 700)
+
+    monkeypatch.setattr(dev, "sync", trap)
+    with pytest.raises(CudaError):
+        backend.seal_blocks(pool, r.blocks([1], first_slot=1), region)
+    monkeypatch.undo()
+    assert len(reports) == 1 and "ILLEGAL_ADDRESS" in reports[0] and backend.broken
+    with pytest.raises(CudaError, match="restart kvseal-server"):
+        backend.seal_blocks(pool, r.blocks([2], first_slot=2), region)
+    assert len(reports) == 1  # once
+    late: list[str] = []
+    backend.set_on_broken(late.append)  # registered after the fact: told at once
+    assert late == reports
+
+
+def test_lost_context_on_entry_breaks_the_backend(emu: E.Emulator) -> None:
+    dev = LosesContext()
+    backend = CudaBackend(DeviceSealer(), 0, dev=dev, cc="off")
+    try:
+        r = Rig(backend, dev)
+        reports: list[str] = []
+        backend.set_on_broken(reports.append)
+        dev.lost = True
+        with pytest.raises(CudaError, match="CONTEXT_IS_DESTROYED"):
+            backend.map_pool(r.spec())
+        assert len(reports) == 1 and "709" in reports[0]
+    finally:
+        dev.lost = False
+        backend.close()
+
+
+def _cuda_geometry() -> object:
+    from kvseal.v1 import kvseal_pb2 as pb
+
+    return pb.PoolGeometry(
+        num_pages=4,
+        tokens_per_page=1,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        dtype="uint8",
+        layout="test",
+        buffers=[pb.BufferHandle(cuda_ipc_handle=b"\x07" * 64, offset=0, size=4096)],
+        segments=[pb.Segment(buffer=0, offset=0, page_stride=1024, bytes=1024)],
+    )
+
+
+def test_daemon_stops_serving_and_exits_4_when_the_backend_breaks(
+    emu: E.Emulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main loop's wiring, in-process: a real daemon (gRPC over a Unix socket) on
+    the CUDA backend over a device that loses its context: the transfer that hits it
+    fails INTERNAL, health turns NOT_SERVING, and the daemon ends with exit status 4."""
+    from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
+    from kvseal.server import main as m
+    from kvseal.v1 import kvseal_pb2 as pb
+
+    dev = LosesContext()
+    monkeypatch.setattr(
+        m, "make_backend", lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
+    )
+    sock = tmp_path / "run" / "k.sock"
+    cfg = m.config_from_args(
+        ["--listen", f"unix://{sock}", "--backend", "cuda", "--host-bytes", "1MiB", "--grace", "1"]
+    )
+    daemon = m.Daemon.create(cfg)
+    daemon.start()
+    try:
+        with KVSealClient(ClientConfig(target=f"unix://{sock}", timeout_s=5)) as c:
+            assert c.health() == "SERVING"
+            dev.lost = True
+            with pytest.raises(KVSealRpcError) as err:
+                c.register_pool("p", b"m", _cuda_geometry(), pb.BACKEND_CUDA)  # type: ignore[arg-type]
+            assert "INTERNAL" in str(err.value)
+            assert c.health() == "NOT_SERVING"
+            assert daemon.stop_event.is_set()
+    finally:
+        code = daemon.wait()
+    assert code == m.EXIT_BACKEND == 4
+
+
+_BREAKABLE_DAEMON = """
+import signal, sys
+from kvseal.server import main as m
+from kvseal.server.cuda.backend import CudaBackend
+from tests.test_cuda_backend_cpu import LosesContext
+dev = LosesContext()
+m.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
+signal.signal(signal.SIGUSR1, lambda *_: setattr(dev, "lost", True))
+sys.exit(m.main(sys.argv[1:]))
+"""
+
+
+def test_daemon_process_exits_4_after_a_lost_context(emu: E.Emulator, tmp_path: Path) -> None:
+    """The same as a process: kvseal-server's main() on the emulated CUDA backend;
+    SIGUSR1 (this test's stand-in for an Xid) loses the context; the next request
+    fails and the process exits with status 4 (systemd's Restart=on-failure and
+    Kubernetes restart it)."""
+    from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
+    from kvseal.v1 import kvseal_pb2 as pb
+
+    from tests.conftest import wait_serving
+
+    root = Path(__file__).resolve().parent.parent
+    sock = tmp_path / "run" / "k.sock"
+    log_path = tmp_path / "daemon.log"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [
+                str(root),
+                str(root / "client"),
+                str(root / "server"),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    }
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _BREAKABLE_DAEMON, "--listen", f"unix://{sock}"]
+            + ["--backend", "cuda", "--host-bytes", "1MiB", "--grace", "1"],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        wait_serving(f"unix://{sock}", proc, log_path)
+        proc.send_signal(signal.SIGUSR1)
+        with KVSealClient(ClientConfig(target=f"unix://{sock}", timeout_s=5)) as c:
+            with pytest.raises(KVSealRpcError):
+                c.register_pool("p", b"m", _cuda_geometry(), pb.BACKEND_CUDA)  # type: ignore[arg-type]
+        assert proc.wait(timeout=60) == 4, log_path.read_text()
+        assert "CUDA backend unusable" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
