@@ -1265,6 +1265,7 @@ def test_daemon_stops_serving_and_exits_4_when_the_backend_breaks(
     assert code == m.EXIT_BACKEND == 4
 
 
+DAEMON_ARGS = ("--backend", "cuda", "--host-bytes", "1MiB", "--grace", "1")
 _BREAKABLE_DAEMON = """
 import signal, sys
 from kvseal.server import main as m
@@ -1303,8 +1304,7 @@ def test_daemon_process_exits_4_after_a_lost_context(emu: E.Emulator, tmp_path: 
     }
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _BREAKABLE_DAEMON, "--listen", f"unix://{sock}"]
-            + ["--backend", "cuda", "--host-bytes", "1MiB", "--grace", "1"],
+            [sys.executable, "-c", _BREAKABLE_DAEMON, "--listen", f"unix://{sock}", *DAEMON_ARGS],
             stdout=logf,
             stderr=subprocess.STDOUT,
             env=env,
@@ -1313,9 +1313,11 @@ def test_daemon_process_exits_4_after_a_lost_context(emu: E.Emulator, tmp_path: 
     try:
         wait_serving(f"unix://{sock}", proc, log_path)
         proc.send_signal(signal.SIGUSR1)
-        with KVSealClient(ClientConfig(target=f"unix://{sock}", timeout_s=5)) as c:
-            with pytest.raises(KVSealRpcError):
-                c.register_pool("p", b"m", _cuda_geometry(), pb.BACKEND_CUDA)  # type: ignore[arg-type]
+        with (
+            KVSealClient(ClientConfig(target=f"unix://{sock}", timeout_s=5)) as c,
+            pytest.raises(KVSealRpcError),
+        ):
+            c.register_pool("p", b"m", _cuda_geometry(), pb.BACKEND_CUDA)  # type: ignore[arg-type]
         assert proc.wait(timeout=60) == 4, log_path.read_text()
         assert "CUDA backend unusable" in log_path.read_text()
     finally:

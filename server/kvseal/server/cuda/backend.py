@@ -823,9 +823,9 @@ class EmulatedDevice:
         self.events_destroyed = 0
         self.syncs = 0
         self.deferred = deferred
-        self.queued: list[Callable[[], None]] = []
+        self.queued: list[Callable[[], object]] = []
 
-    def _issue(self, op: Callable[[], None]) -> None:
+    def _issue(self, op: Callable[[], object]) -> None:
         if self.deferred:
             self.queued.append(op)
         else:
