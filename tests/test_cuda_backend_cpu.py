@@ -1324,3 +1324,71 @@ def test_daemon_process_exits_4_after_a_lost_context(emu: E.Emulator, tmp_path: 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --------------------------------------------------------------------------------------
+# Pools must not alias: buffers resolved to their CUDA allocation before the check
+# --------------------------------------------------------------------------------------
+
+
+def _one_alloc_pool(handle: bytes, size: int, second_offset: int) -> PoolSpec:
+    """Two buffer entries in ONE allocation (K and V tensors of one cudaMalloc block,
+    as torch's caching allocator hands them out): the second at ``second_offset``."""
+    half = size // 2
+    buffers = (
+        BufferSpec(None, handle, 0, half, 0),
+        BufferSpec(None, handle, second_offset, half, 0),
+    )
+    segs = (SegmentSpec(0, 0, 256, 256), SegmentSpec(1, 0, 256, 256))
+    g = Geometry(4, 1, 1, 1, 1, "uint8", "t", buffers, segs)
+    return PoolSpec("alias", b"m", g, "cuda")
+
+
+def test_map_pool_refuses_buffers_that_alias_in_one_allocation(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    """Each buffer is resolved to its allocation (cuMemGetAddressRange) and absolute
+    range: two entries over the same bytes are refused (a restore into one page would
+    rewrite another) and nothing stays mapped; disjoint halves are fine."""
+    backend, dev, _sealer, _r = rig
+    mem = bytearray(4096)
+    h = dev.export(mem)
+    for overlap in (0, 256, 1000):  # second entry starts inside the first one's pages
+        with pytest.raises(BadRequest, match="cover the same device memory"):
+            backend.map_pool(_one_alloc_pool(h, len(mem), overlap))
+        assert dev.open_ipc_mappings == 0
+    pool = backend.map_pool(_one_alloc_pool(h, len(mem), 2048))  # [0, 1024) and [2048, 3072)
+    assert pool.bases[1] - pool.bases[0] == 2048
+    region = backend.make_region(1 << 16, None)
+    blocks = [
+        BlockIO(p, Extent(p * 4096, 4096), BlockAD(NS, TENANT, bytes([p]) * 32, 1), 512)
+        for p in range(4)
+    ]
+    mem[:] = os.urandom(len(mem))
+    before = bytes(mem)
+    recs = backend.seal_blocks(pool, blocks, region)
+    mem[:] = bytes(len(mem))
+    assert backend.open_blocks(pool, blocks, recs, region) == []
+    assert bytes(mem[:1024]) == before[:1024] and bytes(mem[2048:3072]) == before[2048:3072]
+    pool.close()
+    assert dev.open_ipc_mappings == 0
+
+
+def test_check_no_alias_is_exact_about_extents() -> None:
+    from kvseal.server.cuda.backend import check_no_alias
+
+    segs = [SegmentSpec(0, 0, 100, 50), SegmentSpec(1, 0, 100, 50)]
+    # Different allocations never alias, whatever the addresses.
+    check_no_alias([(1, 0, 400), (2, 0, 400)], segs, 4)
+    # Same allocation: buffer 1 starts where buffer 0's last page ends -> fine.
+    check_no_alias([(1, 0, 350), (1, 350, 700)], segs, 4)
+    # One byte earlier -> refused.
+    with pytest.raises(BadRequest):
+        check_no_alias([(1, 0, 350), (1, 349, 700)], segs, 4)
+    # Segments of one entry may interleave (checked by Geometry.validate), not across.
+    inter = [SegmentSpec(0, 0, 100, 50), SegmentSpec(0, 50, 100, 50)]
+    check_no_alias([(1, 0, 400)], inter, 4)
+    with pytest.raises(BadRequest):
+        check_no_alias(
+            [(1, 0, 400), (1, 50, 450)], [SegmentSpec(0, 0, 100, 50), SegmentSpec(1, 0, 100, 50)], 4
+        )
