@@ -936,6 +936,11 @@ class CountdownDeadline(Deadline):
 _RAISED = {"cutoff": DeadlinePassed, "cancel": RequestCancelled, "stop": ShuttingDown}
 
 
+def check_raised(how: str) -> pytest.RaisesContext[Exception]:
+    """The error a :class:`CountdownDeadline` failing ``how`` makes a call raise."""
+    return pytest.raises(_RAISED[how])
+
+
 def _deferred_rig(
     emu: E.Emulator, rekey_after: int = 2**32
 ) -> tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig]:
