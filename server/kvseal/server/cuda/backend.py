@@ -1116,8 +1116,11 @@ class CudaBackend:
 
     Failure contract: a request that raises after queuing GPU work first waits for
     all of it (both streams), so no stale copy or kernel can read descriptors or
-    staging that the next request rewrites; a sticky CUDA error, or streams that
-    cannot be drained, mark the backend unusable ("restart kvseal-server").
+    staging that the next request rewrites, and no page is touched after the call
+    returned (the engine contract; ``deadline`` is checked before each queued chunk).
+    A sticky CUDA error, or streams that cannot be drained, mark the backend
+    unusable ("restart kvseal-server") and call the :meth:`set_on_broken` callback,
+    on which the daemon stops serving and exits 4.
 
     Device memory it keeps: staging = the largest request's ciphertext (bounded by
     ``--max-batch-bytes``), descriptors, 2,800 B per live key epoch."""
