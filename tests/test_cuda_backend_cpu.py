@@ -16,10 +16,12 @@ import hashlib
 import os
 import random
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,7 +46,15 @@ from kvseal.server.cuda.backend import (
     staging_layout,
 )
 from kvseal.server.cuda.region import CudaHostRegion
-from kvseal.server.errors import BadRequest, EngineNotReady, HandleUnusable, ShuttingDown
+from kvseal.server.deadline import Deadline
+from kvseal.server.errors import (
+    BadRequest,
+    DeadlinePassed,
+    EngineNotReady,
+    HandleUnusable,
+    RequestCancelled,
+    ShuttingDown,
+)
 from kvseal.server.hostregion import Extent, align_up
 from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec
 from kvseal.server.sealing import BlockAD, BlockSealer, SealingError, _Epoch
@@ -891,3 +901,499 @@ def test_driver_module_falls_back_to_older_cuda_python(monkeypatch: pytest.Monke
     with pytest.raises(ImportError, match="no cuda-python driver bindings"):
         probe.driver_module()
     assert probe.cuda_available(0)[0] is False
+
+
+# --------------------------------------------------------------------------------------
+# The engine contract: a failed call touches no page afterwards (deferred device)
+# --------------------------------------------------------------------------------------
+
+
+class CountdownDeadline(Deadline):
+    """A deadline that fails at its ``at``-th check (0: never), by ``how``: its cutoff
+    passes, the call is cancelled, or the daemon stops. Counting checks instead of
+    time puts the failure exactly at one chosen boundary of the request."""
+
+    __slots__ = ("at", "calls", "how")
+
+    def __init__(self, at: int = 0, how: str = "cutoff") -> None:
+        super().__init__(None, threading.Event(), threading.Event())
+        self.at, self.how, self.calls = at, how, 0
+
+    def check(self, what: str = "the next page") -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            if self.how == "cutoff":
+                self.cutoff = time.monotonic() - 1.0
+            elif self.how == "cancel":
+                assert self.cancelled is not None
+                self.cancelled.set()
+            else:
+                assert self.stopping is not None
+                self.stopping.set()
+        super().check(what)
+
+
+_RAISED = {"cutoff": DeadlinePassed, "cancel": RequestCancelled, "stop": ShuttingDown}
+
+
+def check_raised(how: str) -> pytest.RaisesContext[Exception]:
+    """The error a :class:`CountdownDeadline` failing ``how`` makes a call raise."""
+    return pytest.raises(_RAISED[how])
+
+
+def _deferred_rig(
+    emu: E.Emulator, rekey_after: int = 2**32
+) -> tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig]:
+    dev = EmulatedDevice(deferred=True)
+    sealer = DeviceSealer(rekey_after=rekey_after)
+    backend = CudaBackend(sealer, 0, dev=dev, cc="off", min_chunk_bytes=1)
+    return backend, dev, sealer, Rig(backend, dev)
+
+
+def _live(sealer: DeviceSealer) -> int:
+    return sum(sealer.live_blocks(e) for e in sealer.live_epoch_ids())
+
+
+@pytest.mark.parametrize("how", ["cutoff", "cancel", "stop"])
+@pytest.mark.parametrize("seal_mode", ["dma", "mapped"])
+@pytest.mark.parametrize("event", [False, True], ids=["no-event", "engine-event"])
+def test_seal_stops_at_every_boundary_and_leaves_nothing(
+    emu: E.Emulator, how: str, seal_mode: str, event: bool
+) -> None:
+    """Whichever check fails (before the nonces, before each chunk's kernels, after
+    the work), the seal raises it with nothing left queued on the GPU, returns no
+    record and burns every nonce it drew; with no failure the bytes equal AESGCM's."""
+    backend, dev, sealer, r = _deferred_rig(emu)
+    backend.seal_mode = seal_mode
+    try:
+        region = backend.make_region(1 << 20, None)
+        pool = backend.map_pool(r.spec())
+        blocks = r.blocks([3, 0, 11, 5, 7])
+        wait = b"\x01" * 64 if event else None
+        chunks = len(split_chunks(len(blocks), r.block_bytes, backend.max_chunks, 1))
+        assert chunks == 4
+        counting = CountdownDeadline()
+        plain = {b.page: r.read(b.page) for b in blocks}
+        records = backend.seal_blocks(pool, blocks, region, wait, deadline=counting)
+        # engine event poll + before the nonces + one per chunk + after the work
+        assert counting.calls == int(event) + 1 + chunks + 1
+        for b, rec in zip(blocks, records, strict=True):
+            sealed = _expected(known_key(rec.epoch), rec.nonce, b.ad, plain[b.page])
+            ct = bytearray(b.size)
+            region.read_into(b.extent.offset, memoryview(ct))
+            assert bytes(ct) + rec.tag == sealed
+        for at in range(1, counting.calls + 1):
+            live, drawn = _live(sealer), sealer._current.counter
+            dev.launches.clear()
+            dl = CountdownDeadline(at, how)
+            with pytest.raises(_RAISED[how]):
+                backend.seal_blocks(pool, blocks, region, wait, deadline=dl)
+            assert dl.calls == at  # it stopped at the failed check
+            assert not dev.queued, "GPU work was left queued after the call failed"
+            assert _live(sealer) == live  # every nonce drawn was burnt
+            seals = [k for k, _ in dev.launches if k == "kvseal_seal"]
+            # chunk kernels queued only for the checks that passed before them
+            assert len(seals) == max(0, min(chunks, at - 1 - int(event) - 1))
+            if at <= int(event) + 1:
+                assert sealer._current.counter == drawn  # failed before drawing any
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("how", ["cutoff", "cancel", "stop"])
+@pytest.mark.parametrize("epochs", [1, 2])
+@pytest.mark.parametrize("event", [False, True], ids=["no-event", "engine-event"])
+def test_restore_stops_at_every_boundary_and_writes_no_page(
+    emu: E.Emulator, how: str, epochs: int, event: bool
+) -> None:
+    """Whichever check fails (before each chunk's snapshot + verify, while awaiting the
+    engine's event, before the open pass), the restore raises it with nothing queued;
+    pages poisoned after the raise stay poisoned once everything queued could have
+    run; with no failure every page holds its plaintext."""
+    backend, dev, _sealer, r = _deferred_rig(emu, rekey_after=3 if epochs == 2 else 2**32)
+    try:
+        region = backend.make_region(1 << 20, None)
+        pool = backend.map_pool(r.spec())
+        b1, b2 = r.blocks([0, 1, 2]), r.blocks([3, 4], first_slot=3)
+        recs = backend.seal_blocks(pool, b1, region) + backend.seal_blocks(pool, b2, region)
+        assert len({rec.epoch for rec in recs}) == epochs
+        blocks = [b2[0], b1[0], b2[1], b1[1], b1[2]]
+        records = [recs[3], recs[0], recs[4], recs[1], recs[2]]
+        plain = {b.page: r.read(b.page) for b in blocks}
+        wait = b"\x02" * 64 if event else None
+        counting = CountdownDeadline()
+        for b in blocks:
+            r.poison(b.page)
+        assert backend.open_blocks(pool, blocks, records, region, wait, deadline=counting) == []
+        assert all(r.read(p) == plain[p] for p in plain)
+        chunks = sum(
+            len(split_chunks(n, r.block_bytes, backend.max_chunks, 1))
+            for n in ([5] if epochs == 1 else [3, 2])
+        )
+        # one per chunk + engine event poll + before the open pass
+        assert counting.calls == chunks + int(event) + 1
+        for at in range(1, counting.calls + 1):
+            for b in blocks:
+                r.poison(b.page)
+            dev.launches.clear()
+            dl = CountdownDeadline(at, how)
+            with pytest.raises(_RAISED[how]):
+                backend.open_blocks(pool, blocks, records, region, wait, deadline=dl)
+            assert dl.calls == at
+            assert not dev.queued, "GPU work was left queued after the call failed"
+            assert "kvseal_open" not in [k for k, _ in dev.launches]
+            for b in blocks:  # the engine reuses the pages at once
+                for s in r.segs:
+                    start = s.offset + b.page * s.page_stride
+                    r.bufs[s.buffer][start : start + s.bytes] = b"\x5a" * s.bytes
+            after = {b.page: r.read(b.page) for b in blocks}
+            dev.flush()  # anything still pending would run now
+            assert all(r.read(p) == after[p] for p in after), "a page was written after"
+        for b in blocks:
+            r.poison(b.page)
+        assert backend.open_blocks(pool, blocks, records, region, wait) == []
+        assert all(r.read(p) == plain[p] for p in plain)
+    finally:
+        backend.close()
+
+
+def test_seal_finished_past_the_cutoff_is_discarded(
+    emu: E.Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cutoff passing while the queued work runs (no check in between): the seal
+    completes on the GPU but raises DeadlinePassed, returns no record and burns its
+    nonces, since its last chunk may have read pages the engine had reused."""
+    backend, dev, sealer, r = _deferred_rig(emu)
+    try:
+        region = backend.make_region(1 << 20, None)
+        pool = backend.map_pool(r.spec())
+        backend.seal_blocks(pool, r.blocks([0]), region)
+        live = _live(sealer)
+        dl = Deadline.after(3600)
+        real_sync = dev.sync
+
+        def slow_sync(stream: object) -> None:
+            real_sync(stream)
+            dl.cutoff = time.monotonic() - 1.0  # the GPU took until after the cutoff
+
+        monkeypatch.setattr(dev, "sync", slow_sync)
+        with pytest.raises(DeadlinePassed, match="discarded"):
+            backend.seal_blocks(pool, r.blocks([1, 2], first_slot=1), region, deadline=dl)
+        assert _live(sealer) == live and not dev.queued
+    finally:
+        backend.close()
+
+
+def test_engine_event_wait_ends_at_the_cutoff_or_on_cancellation(emu: E.Emulator) -> None:
+    """A stuck engine event with a long --engine-event-timeout: the wait ends at the
+    request's cutoff (DeadlinePassed, not ENGINE_NOT_READY after the timeout), or as
+    soon as the call is cancelled; nothing is read, written or drawn."""
+    dev = EmulatedDevice(deferred=True)
+    sealer = DeviceSealer()
+    backend = CudaBackend(sealer, 0, dev=dev, cc="off", engine_event_timeout=3600)
+    try:
+        r = Rig(backend, dev)
+        region = backend.make_region(1 << 20, None)
+        pool = backend.map_pool(r.spec())
+        recs = backend.seal_blocks(pool, r.blocks([0]), region)
+        stuck = b"\xee" * 64
+        dev.pending_events.add(stuck)
+        drawn = sealer._current.counter
+        with pytest.raises(DeadlinePassed):
+            backend.seal_blocks(
+                pool, r.blocks([1], first_slot=1), region, stuck, deadline=Deadline.after(0.05)
+            )
+        assert sealer._current.counter == drawn
+        r.poison(0)
+        poisoned = r.read(0)
+        with pytest.raises(DeadlinePassed):
+            backend.open_blocks(pool, r.blocks([0]), recs, region, stuck, Deadline.after(0.05))
+        assert not dev.queued and r.read(0) == poisoned
+        # Cancelled from another thread (the RPC ended) while the request polls.
+        cancelled = threading.Event()
+        result: list[BaseException] = []
+
+        def waiter() -> None:
+            try:
+                backend.open_blocks(
+                    pool, r.blocks([0]), recs, region, stuck, Deadline(None, cancelled)
+                )
+            except BaseException as e:
+                result.append(e)
+
+        t = threading.Thread(target=waiter)
+        opened = dev.events_opened
+        t.start()
+        while dev.events_opened == opened:  # the waiter is in its poll now
+            t.join(0.001)
+        cancelled.set()
+        t.join(30)
+        assert not t.is_alive()
+        assert len(result) == 1 and isinstance(result[0], RequestCancelled)
+        assert not dev.queued and r.read(0) == poisoned
+        assert dev.events_opened == dev.events_destroyed
+    finally:
+        backend.close()
+
+
+def test_deferred_device_round_trip_is_byte_exact(emu: E.Emulator) -> None:
+    """The asynchronous model itself: with copies and kernels run only at sync, seal
+    and restore still give AESGCM's bytes (no host buffer is reused too early)."""
+    backend, dev, _sealer, r = _deferred_rig(emu)
+    try:
+        region = backend.make_region(1 << 20, None)
+        pool = backend.map_pool(r.spec())
+        blocks = r.blocks([4, 1, 9], gaps=True)
+        plain = {b.page: r.read(b.page) for b in blocks}
+        records = backend.seal_blocks(pool, blocks, region, deadline=Deadline.after(3600))
+        for b, rec in zip(blocks, records, strict=True):
+            ct = bytearray(b.size)
+            region.read_into(b.extent.offset, memoryview(ct))
+            assert bytes(ct) + rec.tag == _expected(
+                known_key(rec.epoch), rec.nonce, b.ad, plain[b.page]
+            )
+            r.poison(b.page)
+        assert (
+            backend.open_blocks(pool, blocks, records, region, deadline=Deadline.after(3600)) == []
+        )
+        assert all(r.read(p) == plain[p] for p in plain) and not dev.queued
+    finally:
+        backend.close()
+
+
+# --------------------------------------------------------------------------------------
+# A backend that can no longer serve: reported once, health NOT_SERVING, exit 4
+# --------------------------------------------------------------------------------------
+
+
+class LosesContext(EmulatedDevice):
+    """An emulated GPU whose context can be lost (as after an Xid / a reset): from then
+    on every call that makes it current fails with CONTEXT_IS_DESTROYED (709)."""
+
+    lost = False
+
+    def make_current(self) -> None:
+        if self.lost:
+            raise CudaError("cuCtxSetCurrent failed: CUDA_ERROR_CONTEXT_IS_DESTROYED (709)", 709)
+
+
+def test_sticky_error_reports_the_backend_broken_once(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, dev, _sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    reports: list[str] = []
+    backend.set_on_broken(reports.append)
+    backend.seal_blocks(pool, r.blocks([0]), region)
+    assert backend.broken is None and reports == []
+
+    def trap(*a: object, **k: object) -> None:
+        raise CudaError("cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)", 700)
+
+    monkeypatch.setattr(dev, "sync", trap)
+    with pytest.raises(CudaError):
+        backend.seal_blocks(pool, r.blocks([1], first_slot=1), region)
+    monkeypatch.undo()
+    assert len(reports) == 1 and "ILLEGAL_ADDRESS" in reports[0] and backend.broken
+    with pytest.raises(CudaError, match="restart kvseal-server"):
+        backend.seal_blocks(pool, r.blocks([2], first_slot=2), region)
+    assert len(reports) == 1  # once
+    late: list[str] = []
+    backend.set_on_broken(late.append)  # registered after the fact: told at once
+    assert late == reports
+
+
+def test_lost_context_on_entry_breaks_the_backend(emu: E.Emulator) -> None:
+    dev = LosesContext()
+    backend = CudaBackend(DeviceSealer(), 0, dev=dev, cc="off")
+    try:
+        r = Rig(backend, dev)
+        reports: list[str] = []
+        backend.set_on_broken(reports.append)
+        dev.lost = True
+        with pytest.raises(CudaError, match="CONTEXT_IS_DESTROYED"):
+            backend.map_pool(r.spec())
+        assert len(reports) == 1 and "709" in reports[0]
+    finally:
+        dev.lost = False
+        backend.close()
+
+
+def _cuda_geometry() -> object:
+    from kvseal.v1 import kvseal_pb2 as pb
+
+    return pb.PoolGeometry(
+        num_pages=4,
+        tokens_per_page=1,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        dtype="uint8",
+        layout="test",
+        buffers=[pb.BufferHandle(cuda_ipc_handle=b"\x07" * 64, offset=0, size=4096)],
+        segments=[pb.Segment(buffer=0, offset=0, page_stride=1024, bytes=1024)],
+    )
+
+
+def test_daemon_stops_serving_and_exits_4_when_the_backend_breaks(
+    emu: E.Emulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main loop's wiring, in-process: a real daemon (gRPC over a Unix socket) on
+    the CUDA backend over a device that loses its context: the transfer that hits it
+    fails INTERNAL, health turns NOT_SERVING, and the daemon ends with exit status 4."""
+    from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
+    from kvseal.server import main as m
+    from kvseal.v1 import kvseal_pb2 as pb
+
+    dev = LosesContext()
+    monkeypatch.setattr(
+        m, "make_backend", lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
+    )
+    sock = tmp_path / "run" / "k.sock"
+    cfg = m.config_from_args(
+        ["--listen", f"unix://{sock}", "--backend", "cuda", "--host-bytes", "1MiB", "--grace", "1"]
+    )
+    daemon = m.Daemon.create(cfg)
+    daemon.start()
+    try:
+        with KVSealClient(ClientConfig(target=f"unix://{sock}", timeout_s=5)) as c:
+            assert c.health() == "SERVING"
+            dev.lost = True
+            with pytest.raises(KVSealRpcError) as err:
+                c.register_pool("p", b"m", _cuda_geometry(), pb.BACKEND_CUDA)  # type: ignore[arg-type]
+            assert "INTERNAL" in str(err.value)
+            assert c.health() == "NOT_SERVING"
+            assert daemon.stop_event.is_set()
+    finally:
+        code = daemon.wait()
+    assert code == m.EXIT_BACKEND == 4
+
+
+DAEMON_ARGS = ("--backend", "cuda", "--host-bytes", "1MiB", "--grace", "1")
+_BREAKABLE_DAEMON = """
+import signal, sys
+from kvseal.server import main as m
+from kvseal.server.cuda.backend import CudaBackend
+from tests.test_cuda_backend_cpu import LosesContext
+dev = LosesContext()
+m.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
+signal.signal(signal.SIGUSR1, lambda *_: setattr(dev, "lost", True))
+sys.exit(m.main(sys.argv[1:]))
+"""
+
+
+def test_daemon_process_exits_4_after_a_lost_context(emu: E.Emulator, tmp_path: Path) -> None:
+    """The same as a process: kvseal-server's main() on the emulated CUDA backend;
+    SIGUSR1 (this test's stand-in for an Xid) loses the context; the next request
+    fails and the process exits with status 4 (systemd's Restart=on-failure and
+    Kubernetes restart it)."""
+    from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
+    from kvseal.v1 import kvseal_pb2 as pb
+
+    from tests.conftest import wait_serving
+
+    root = Path(__file__).resolve().parent.parent
+    sock = tmp_path / "run" / "k.sock"
+    log_path = tmp_path / "daemon.log"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [
+                str(root),
+                str(root / "client"),
+                str(root / "server"),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    }
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _BREAKABLE_DAEMON, "--listen", f"unix://{sock}", *DAEMON_ARGS],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        wait_serving(f"unix://{sock}", proc, log_path)
+        proc.send_signal(signal.SIGUSR1)
+        with (
+            KVSealClient(ClientConfig(target=f"unix://{sock}", timeout_s=5)) as c,
+            pytest.raises(KVSealRpcError),
+        ):
+            c.register_pool("p", b"m", _cuda_geometry(), pb.BACKEND_CUDA)  # type: ignore[arg-type]
+        assert proc.wait(timeout=60) == 4, log_path.read_text()
+        assert "CUDA backend unusable" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------------------
+# Pools must not alias: buffers resolved to their CUDA allocation before the check
+# --------------------------------------------------------------------------------------
+
+
+def _one_alloc_pool(handle: bytes, size: int, second_offset: int) -> PoolSpec:
+    """Two buffer entries in ONE allocation (K and V tensors of one cudaMalloc block,
+    as torch's caching allocator hands them out): the second at ``second_offset``."""
+    half = size // 2
+    buffers = (
+        BufferSpec(None, handle, 0, half, 0),
+        BufferSpec(None, handle, second_offset, half, 0),
+    )
+    segs = (SegmentSpec(0, 0, 256, 256), SegmentSpec(1, 0, 256, 256))
+    g = Geometry(4, 1, 1, 1, 1, "uint8", "t", buffers, segs)
+    return PoolSpec("alias", b"m", g, "cuda")
+
+
+def test_map_pool_refuses_buffers_that_alias_in_one_allocation(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    """Each buffer is resolved to its allocation (cuMemGetAddressRange) and absolute
+    range: two entries over the same bytes are refused (a restore into one page would
+    rewrite another) and nothing stays mapped; disjoint halves are fine."""
+    backend, dev, _sealer, _r = rig
+    mem = bytearray(4096)
+    h = dev.export(mem)
+    for overlap in (0, 256, 1000):  # second entry starts inside the first one's pages
+        with pytest.raises(BadRequest, match="cover the same device memory"):
+            backend.map_pool(_one_alloc_pool(h, len(mem), overlap))
+        assert dev.open_ipc_mappings == 0
+    pool = backend.map_pool(_one_alloc_pool(h, len(mem), 2048))  # [0, 1024) and [2048, 3072)
+    assert pool.bases[1] - pool.bases[0] == 2048
+    region = backend.make_region(1 << 16, None)
+    blocks = [
+        BlockIO(p, Extent(p * 4096, 4096), BlockAD(NS, TENANT, bytes([p]) * 32, 1), 512)
+        for p in range(4)
+    ]
+    mem[:] = os.urandom(len(mem))
+    before = bytes(mem)
+    recs = backend.seal_blocks(pool, blocks, region)
+    mem[:] = bytes(len(mem))
+    assert backend.open_blocks(pool, blocks, recs, region) == []
+    assert bytes(mem[:1024]) == before[:1024] and bytes(mem[2048:3072]) == before[2048:3072]
+    pool.close()
+    assert dev.open_ipc_mappings == 0
+
+
+def test_check_no_alias_is_exact_about_extents() -> None:
+    from kvseal.server.cuda.backend import check_no_alias
+
+    segs = [SegmentSpec(0, 0, 100, 50), SegmentSpec(1, 0, 100, 50)]
+    # Different allocations never alias, whatever the addresses.
+    check_no_alias([(1, 0, 400), (2, 0, 400)], segs, 4)
+    # Same allocation: buffer 1 starts where buffer 0's last page ends -> fine.
+    check_no_alias([(1, 0, 350), (1, 350, 700)], segs, 4)
+    # One byte earlier -> refused.
+    with pytest.raises(BadRequest):
+        check_no_alias([(1, 0, 350), (1, 349, 700)], segs, 4)
+    # Segments of one entry may interleave (checked by Geometry.validate), not across.
+    inter = [SegmentSpec(0, 0, 100, 50), SegmentSpec(0, 50, 100, 50)]
+    check_no_alias([(1, 0, 400)], inter, 4)
+    with pytest.raises(BadRequest):
+        check_no_alias(
+            [(1, 0, 400), (1, 50, 450)], [SegmentSpec(0, 0, 100, 50), SegmentSpec(1, 0, 100, 50)], 4
+        )

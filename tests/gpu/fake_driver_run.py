@@ -22,7 +22,7 @@ from kvseal.server.backend import BlockIO
 from kvseal.server.cuda import compile as kc
 from kvseal.server.cuda import probe
 from kvseal.server.cuda.backend import CudaBackend, CudaDevice
-from kvseal.server.errors import HandleUnusable
+from kvseal.server.errors import BadRequest, HandleUnusable
 from kvseal.server.hostregion import Extent, align_up
 from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec
 from kvseal.server.sealing import BlockAD
@@ -139,6 +139,27 @@ def main(argv: list[str]) -> int:
         raise AssertionError("a bad IPC handle was accepted")
     except HandleUnusable:
         pass
+    # Two entries over one allocation (the same handle, overlapping ranges): resolved
+    # through cuMemGetAddressRange to the same identity, refused, nothing left mapped.
+    h0 = ipc_handle(bufs[0])
+    alias = Geometry(
+        2,
+        1,
+        1,
+        1,
+        1,
+        "uint8",
+        "t",
+        (BufferSpec(None, h0, 0, 512, 0), BufferSpec(None, h0, 256, 512, 0)),
+        (SegmentSpec(0, 0, 256, 256), SegmentSpec(1, 0, 256, 256)),
+    )
+    live = fake.fake_cuda_live()
+    try:
+        be.map_pool(PoolSpec("a", b"m", alias, "cuda"))
+        raise AssertionError("aliasing buffers were accepted")
+    except BadRequest:
+        pass
+    assert fake.fake_cuda_live() == live, "the refused pool left a mapping open"
     ipc_pool.close()
     local_pool.close()
     region.close()

@@ -65,7 +65,12 @@ from kvseal.server.sealing import BlockAD, SealRecord  # noqa: E402
 from kvseal.v1 import kvseal_pb2 as pb  # noqa: E402
 
 from ..conftest import DaemonProc, start_daemon  # noqa: E402
-from ..test_cuda_backend_cpu import DeviceSealer, known_key  # noqa: E402
+from ..test_cuda_backend_cpu import (  # noqa: E402
+    CountdownDeadline,
+    DeviceSealer,
+    check_raised,
+    known_key,
+)
 
 _ok, _why = probe.cuda_available(0)
 if not _ok:
@@ -231,6 +236,50 @@ def test_gpu_tamper_writes_nothing(backend: CudaBackend) -> None:
         for p in range(4):
             assert pool.read(p) == poisoned
     finally:
+        mapped.close()
+        region.close()
+
+
+@pytest.mark.parametrize("how", ["cutoff", "cancel"])
+def test_gpu_deadline_at_every_boundary_touches_no_page_after(
+    backend: CudaBackend, how: str
+) -> None:
+    """The engine contract on real streams: a deadline failing at each check of a
+    restore raises with no page written: pages rewritten by torch after the raise
+    still hold torch's bytes once both kvseal streams are synchronised (anything left
+    queued would have landed then); a seal failing at each check returns nothing."""
+    pool = _qwen_pool(8)
+    backend.min_chunk_bytes = 1  # 4 chunks for 8 blocks: every boundary is reachable
+    region = backend.make_region(64 << 20, None)
+    mapped = backend.map_local_pool(pool.spec, [b.data_ptr() for b in pool.bufs])
+    try:
+        blocks = _blocks(pool, list(range(8)))
+        plain = {b.page: pool.read(b.page) for b in blocks}
+        counting = CountdownDeadline()
+        records = backend.seal_blocks(mapped, blocks, region, deadline=counting)
+        for at in range(1, counting.calls + 1):
+            with check_raised(how):
+                backend.seal_blocks(mapped, blocks, region, deadline=CountdownDeadline(at, how))
+        counting = CountdownDeadline()
+        for p in plain:
+            pool.poison(p)
+        assert backend.open_blocks(mapped, blocks, records, region, deadline=counting) == []
+        assert all(pool.read(p) == plain[p] for p in plain)
+        for at in range(1, counting.calls + 1):
+            for p in plain:
+                pool.poison(p)
+            with check_raised(how):
+                backend.open_blocks(
+                    mapped, blocks, records, region, deadline=CountdownDeadline(at, how)
+                )
+            for b in pool.bufs:  # the engine reuses the pages at once
+                b.fill_(0x3C)
+            torch.cuda.synchronize()
+            backend._dev.sync(backend._dev.compute_stream)  # anything left would land now
+            backend._dev.sync(backend._dev.copy_stream)
+            assert all(pool.read(p) == b"\x3c" * pool.block_bytes for p in plain)
+    finally:
+        backend.min_chunk_bytes = 16 << 20
         mapped.close()
         region.close()
 

@@ -6,7 +6,9 @@ self-test -> pick the backend -> create the host region -> bind -> health
 SERVING -> systemd READY=1 -> ... SIGTERM -> health NOT_SERVING -> drain
 in-flight RPCs for ``grace`` seconds -> exit 0. After an integrity failure
 under ``--on-integrity-failure abort`` the same shutdown runs and the exit
-status is 3 (EXIT_INTEGRITY).
+status is 3 (EXIT_INTEGRITY). When the backend becomes unusable (the CUDA
+context was lost: every later transfer would fail) the same shutdown runs and
+the exit status is 4 (EXIT_BACKEND), so that the supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from kvseal.v1 import kvseal_pb2 as pb
 log = logging.getLogger("kvseal")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVSeal"].full_name
 EXIT_CONFIG = 2
+EXIT_BACKEND = 4  # the backend cannot serve any more (CUDA context lost): restart
 _PR_SET_DUMPABLE = 4
 
 
@@ -514,6 +517,18 @@ class Daemon:
             if holder:
                 holder[0].begin_shutdown(EXIT_INTEGRITY)
 
+        broken: list[str] = []
+
+        def on_broken(why: str) -> None:
+            # Runs on the request thread that hit the error: only signal. Health goes
+            # NOT_SERVING and the process exits EXIT_BACKEND after the drain.
+            broken.append(why)
+            if holder:
+                holder[0].begin_shutdown(EXIT_BACKEND)
+
+        watch_broken = getattr(backend, "set_on_broken", None)
+        if watch_broken is not None:
+            watch_broken(on_broken)
         telemetry.setup_tracing()
         cache = SealedCache(cfg, backend, region, sealer, on_integrity_abort=on_abort)
         metrics = telemetry.Metrics(cache) if cfg.metrics_address else None
@@ -596,6 +611,8 @@ class Daemon:
             lock_fds=tuple(held),
         )
         holder.append(daemon)
+        if broken:  # broke while the daemon was being built
+            daemon.begin_shutdown(EXIT_BACKEND)
         return daemon
 
     def start(self) -> None:

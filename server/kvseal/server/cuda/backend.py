@@ -50,7 +50,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -69,7 +69,14 @@ from kvseal.server.cuda.emulated import (
     segment_table,
 )
 from kvseal.server.cuda.region import CudaHostRegion
-from kvseal.server.errors import BadRequest, EngineNotReady, HandleUnusable, ShuttingDown
+from kvseal.server.deadline import NO_DEADLINE, Deadline
+from kvseal.server.errors import (
+    BadRequest,
+    DeadlinePassed,
+    EngineNotReady,
+    HandleUnusable,
+    ShuttingDown,
+)
 from kvseal.server.pools import MappedPool, PoolSpec
 from kvseal.server.sealing import KEY_BYTES, SealRecord
 
@@ -399,6 +406,39 @@ def decode_torch_ipc_handle(raw: bytes) -> bytes:
     raise ValueError(f"unrecognised CUDA IPC handle ({len(raw)} bytes)")
 
 
+def check_no_alias(
+    buffers: Sequence[tuple[int, int, int]], segments: Sequence[Any], num_pages: int
+) -> None:
+    """Raise BadRequest if two buffers of a pool resolve to overlapping pieces of the
+    same memory such that a byte could belong to two (segment, page) pairs.
+
+    ``buffers[i]`` is ``(identity, start, end)``: the memory's identity (here the
+    CUDA allocation base) and the buffer's absolute range in it; ``segments`` are
+    the geometry's (``buffer``, ``offset``, ``page_stride``, ``bytes``). Segments of
+    one buffer entry are checked by ``Geometry.validate`` (interleaving allowed
+    there); across entries this is conservative: the whole extents (all pages) of
+    segments in different entries of the same memory must not overlap."""
+    last = num_pages - 1
+    spans: dict[int, list[tuple[int, int, int, int]]] = {}  # identity -> extents
+    for j, s in enumerate(segments):
+        ident, start, _end = buffers[s.buffer]
+        a = start + s.offset
+        spans.setdefault(ident, []).append((a, a + last * s.page_stride + s.bytes, s.buffer, j))
+    for extents in spans.values():
+        extents.sort()
+        reach: tuple[int, int, int, int] | None = None  # the extent reaching furthest
+        for ext in extents:
+            if reach is not None and ext[0] < reach[1] and ext[2] != reach[2]:
+                raise BadRequest(
+                    f"geometry.segments[{reach[3]}] (buffer {reach[2]}) and "
+                    f"geometry.segments[{ext[3]}] (buffer {ext[2]}) cover the same device "
+                    "memory: buffers that alias must not overlap (a restore into one page "
+                    "would rewrite another)"
+                )
+            if reach is None or ext[1] > reach[1]:
+                reach = ext
+
+
 # ----------------------------------------------------------------------------------------
 # Device abstraction
 # ----------------------------------------------------------------------------------------
@@ -463,6 +503,11 @@ class Device(Protocol):
         ...
 
     def close_ipc_mem(self, ptr: int) -> None: ...
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        """(base, bytes) of the device allocation that contains ``ptr``
+        (``cuMemGetAddressRange``): the identity of the memory behind a mapping."""
+        ...
 
     def close(self) -> None: ...
 
@@ -716,6 +761,10 @@ class CudaDevice:
     def close_ipc_mem(self, ptr: int) -> None:
         self._check(self._cu.cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
 
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = self._check(self._cu.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        return int(base), int(size)
+
     def close(self) -> None:
         """Release streams, module and the primary context; best effort, idempotent."""
         cu = self._cu
@@ -746,14 +795,21 @@ class EmulatedDevice:
     that :meth:`open_ipc_mem` maps back to ``buf``'s address. ``refuse_register``
     makes :meth:`host_register` fail like the CC-mode driver (error 801). An IPC
     event handle listed in ``pending_events`` never completes (an engine whose
-    stream is stuck); ``events_opened``/``events_destroyed`` count event handles."""
+    stream is stuck); ``events_opened``/``events_destroyed`` count event handles.
+
+    ``deferred=True`` models asynchrony: copies, memsets and kernels are queued (in
+    issue order, a valid serialisation of both streams) and run only by ``sync`` or
+    :meth:`flush`; what is still in ``queued`` after a call returned is GPU work that
+    call left running. A kernel's descriptor is copied at launch, as the driver does;
+    a kernel that fails at run time raises from ``sync`` and the rest of the queue
+    is dropped (a context fault aborts all queued work)."""
 
     name = "emulated (CPU)"
     arch = "emulated"
     copy_stream = "copy"
     compute_stream = "compute"
 
-    def __init__(self, *, refuse_register: bool = False) -> None:
+    def __init__(self, *, refuse_register: bool = False, deferred: bool = False) -> None:
         from kvseal.server.cuda.emulated import load_emulator  # noqa: PLC0415
 
         self._lib: Any = load_emulator()._lib
@@ -766,6 +822,20 @@ class EmulatedDevice:
         self.events_opened = 0
         self.events_destroyed = 0
         self.syncs = 0
+        self.deferred = deferred
+        self.queued: list[Callable[[], object]] = []
+
+    def _issue(self, op: Callable[[], object]) -> None:
+        if self.deferred:
+            self.queued.append(op)
+        else:
+            op()
+
+    def flush(self) -> None:
+        """Run every queued operation, in issue order (deferred mode)."""
+        ops, self.queued = self.queued, []
+        for op in ops:
+            op()
 
     def make_current(self) -> None:
         pass
@@ -796,23 +866,25 @@ class EmulatedDevice:
         return ptr
 
     def memset_async(self, ptr: int, nbytes: int, stream: Any) -> None:
-        ctypes.memset(ptr, 0, nbytes)
+        self._issue(lambda: ctypes.memset(ptr, 0, nbytes))
 
     def h2d_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        ctypes.memmove(dst, src, nbytes)
+        self._issue(lambda: ctypes.memmove(dst, src, nbytes))
 
     def d2h_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        ctypes.memmove(dst, src, nbytes)
+        self._issue(lambda: ctypes.memmove(dst, src, nbytes))
 
     def launch(
         self, kernel: str, grid: int, threads: int, args: Sequence[Any], stream: Any
     ) -> None:
         self.launches.append((kernel, grid))
+        run: Callable[[], int]
         if kernel == "kvseal_key_setup":
-            ctx = ctypes.cast(ctypes.c_void_p(args[1].value), ctypes.POINTER(KvsKeyCtx))
-            rc = self._lib.kvseal_emu_key_setup(ctypes.c_void_p(args[0].value), ctx)
+            raw, key_ctx = args[0].value, args[1].value
+            ctx = ctypes.cast(ctypes.c_void_p(key_ctx), ctypes.POINTER(KvsKeyCtx))
+            run = lambda: self._lib.kvseal_emu_key_setup(ctypes.c_void_p(raw), ctx)  # noqa: E731
         else:
-            batch = args[0]
+            batch = type(args[0]).from_buffer_copy(args[0])  # the driver copies params
             if grid != batch.num_blocks * batch.ctas_per_block or threads != batch.threads_per_cta:
                 raise CudaError(f"{kernel}: launch shape does not match the descriptor", 719)
             fn = {
@@ -820,9 +892,14 @@ class EmulatedDevice:
                 "kvseal_verify": self._lib.kvseal_emu_verify,
                 "kvseal_open": self._lib.kvseal_emu_open,
             }[kernel]
-            rc = fn(ctypes.byref(batch), 0)
-        if rc < 0:
-            raise CudaError(f"{kernel} rejected its descriptor ({rc})", 719)
+            run = lambda: fn(ctypes.byref(batch), 0)  # noqa: E731
+
+        def op() -> None:
+            rc = run()
+            if rc < 0:
+                raise CudaError(f"{kernel} rejected its descriptor ({rc})", 719)
+
+        self._issue(op)
 
     def new_event(self) -> Any:
         return object()
@@ -839,6 +916,9 @@ class EmulatedDevice:
 
     def sync(self, stream: Any) -> None:
         self.syncs += 1
+        ops, self.queued = self.queued, []
+        for op in ops:  # everything issued so far: a valid order for either stream
+            op()
 
     def query_event(self, event: Any) -> bool:
         return not (isinstance(event, _EmulatedIpcEvent) and event.handle in self.pending_events)
@@ -872,6 +952,12 @@ class EmulatedDevice:
 
     def close_ipc_mem(self, ptr: int) -> None:
         self._open.pop(ptr)
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        for base, buf in self._mem.items():
+            if base <= ptr < base + ctypes.sizeof(buf):
+                return base, ctypes.sizeof(buf)
+        raise CudaError("cuMemGetAddressRange failed: CUDA_ERROR_INVALID_VALUE (1)", 1)
 
     @property
     def open_ipc_mappings(self) -> int:
@@ -1030,8 +1116,11 @@ class CudaBackend:
 
     Failure contract: a request that raises after queuing GPU work first waits for
     all of it (both streams), so no stale copy or kernel can read descriptors or
-    staging that the next request rewrites; a sticky CUDA error, or streams that
-    cannot be drained, mark the backend unusable ("restart kvseal-server").
+    staging that the next request rewrites, and no page is touched after the call
+    returned (the engine contract; ``deadline`` is checked before each queued chunk).
+    A sticky CUDA error, or streams that cannot be drained, mark the backend
+    unusable ("restart kvseal-server") and call the :meth:`set_on_broken` callback,
+    on which the daemon stops serving and exits 4.
 
     Device memory it keeps: staging = the largest request's ciphertext (bounded by
     ``--max-batch-bytes``), descriptors, 2,800 B per live key epoch."""
@@ -1069,6 +1158,7 @@ class CudaBackend:
         self._keys: dict[int, int] = {}  # epoch -> device KvsKeyCtx
         self._events: list[Any] = []
         self._broken: str | None = None
+        self._on_broken: Callable[[str], None] | None = None
         d = self._dev
         self._staging = _Growable(d.alloc, d.free)
         self._desc = _Growable(d.alloc, d.free)
@@ -1095,18 +1185,48 @@ class CudaBackend:
 
     # -- helpers ------------------------------------------------------------------------
 
+    @property
+    def broken(self) -> str | None:
+        """Why the backend can no longer serve (a sticky CUDA error, or streams that
+        could not be drained), or None. Once set it stays set: only a new process
+        gets a new context."""
+        return self._broken
+
+    def set_on_broken(self, callback: Callable[[str], None]) -> None:
+        """Have ``callback(reason)`` run once, when the backend becomes unusable (at
+        once if it already is). The daemon stops serving then and exits non-zero so
+        that its supervisor starts a fresh process. It runs on the thread that hit
+        the error, with the backend lock held: it must only signal, never block."""
+        self._on_broken = callback
+        if self._broken is not None:
+            callback(self._broken)
+
+    def _mark_broken(self, why: str) -> None:
+        if self._broken is not None:
+            return
+        self._broken = why
+        log.critical("CUDA backend unusable: %s; kvseal must be restarted", why)
+        if self._on_broken is not None:
+            try:
+                self._on_broken(why)
+            except Exception:  # the error being reported matters more than this one
+                log.exception("the backend-broken callback failed")
+
     def _enter(self) -> None:
         if self._broken is not None:
             raise CudaError(
                 f"the GPU context is unusable after an earlier error ({self._broken}); "
                 "restart kvseal-server"
             )
-        self._dev.make_current()
+        try:
+            self._dev.make_current()
+        except CudaError as e:  # e.g. CONTEXT_IS_DESTROYED: nothing will work again
+            self._note(e)
+            raise
 
     def _note(self, e: CudaError) -> None:
-        if e.code in _STICKY and self._broken is None:
-            self._broken = str(e)
-            log.critical("CUDA context lost: %s; kvseal must be restarted", e)
+        if e.code in _STICKY:
+            self._mark_broken(f"CUDA context lost: {e}")
 
     def _failed(self, e: BaseException) -> None:
         """After a request raised (lock held): note sticky errors, then wait for
@@ -1120,9 +1240,7 @@ class CudaBackend:
                 self._dev.sync(stream)
             except CudaError as err:
                 self._note(err)
-                if self._broken is None:
-                    self._broken = f"streams could not be drained after an error: {err}"
-                    log.critical("CUDA streams not drained: %s; kvseal must be restarted", err)
+                self._mark_broken(f"streams could not be drained after an error: {err}")
 
     def _event(self, i: int) -> Any:
         while len(self._events) <= i:
@@ -1232,19 +1350,22 @@ class CudaBackend:
             ) from e
         return event
 
-    def _await_event(self, event: Any) -> None:
+    def _await_event(self, event: Any, deadline: Deadline = NO_DEADLINE) -> None:
         """Poll the engine's event until it has completed, at most
-        ``engine_event_timeout`` seconds (EngineNotReady), or until the backend stops
-        serving (ShuttingDown). Host-side only: a GPU-side ``cuStreamWaitEvent`` on
-        an event that never completes would block the shared streams, and hence every
-        later request, with no way out; and once the host has seen the event complete,
-        everything queued afterwards is ordered after the engine's work anyway (a
-        GPU-side wait could even catch a *later* re-record of the same event)."""
+        ``engine_event_timeout`` seconds (EngineNotReady), and never past the
+        request's cutoff (``deadline.check`` raises DeadlinePassed, RequestCancelled
+        once the call is over, ShuttingDown once the daemon stops). Host-side only:
+        a GPU-side ``cuStreamWaitEvent`` on an event that never completes would block
+        the shared streams, and hence every later request, with no way out; and once
+        the host has seen the event complete, everything queued afterwards is ordered
+        after the engine's work anyway (a GPU-side wait could even catch a *later*
+        re-record of the same event)."""
         if event is None:
             return
-        deadline = time.monotonic() + self.engine_event_timeout
+        give_up = time.monotonic() + self.engine_event_timeout
         delay = 0.0
         while True:
+            deadline.check("the engine's pages")  # nothing is queued yet: just raise
             try:
                 if self._dev.query_event(event):
                     return
@@ -1254,13 +1375,16 @@ class CudaBackend:
                 ) from e
             if self.stopping.is_set():
                 raise ShuttingDown("kvseal stopped serving; nothing was read or written")
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= give_up:
                 raise EngineNotReady(
                     f"the engine's CUDA event did not complete within "
                     f"{self.engine_event_timeout:g} s (is its stream stuck, or was the event "
                     "recorded after a wait on kvseal?); nothing was read or written"
                 )
-            time.sleep(delay)  # 0 first: just yield the GIL
+            # 0 first: just yield the GIL; never sleep past the cutoff.
+            left = deadline.remaining()
+            time.sleep(max(0.0, min(delay, give_up - now, delay if left is None else left)))
             delay = min(max(2 * delay, 20e-6), 1e-3)
 
     def _close_event(self, event: Any) -> None:
@@ -1317,6 +1441,7 @@ class CudaBackend:
                             f"{b.offset + b.size}) but its CUDA allocation has {size} bytes"
                         )
                     bases.append(ptr + b.offset)
+                check_no_alias(self._alias_identity(g, bases), g.segments, g.num_pages)
 
                 def release(handles: list[bytes] = acquired) -> None:
                     with self._lock:
@@ -1331,6 +1456,25 @@ class CudaBackend:
                 for h in acquired:
                     self._ipc.release(h)
                 raise
+
+    def _alias_identity(self, g: Any, bases: Sequence[int]) -> list[tuple[int, int, int]]:
+        """``(identity, start, end)`` of each buffer of geometry ``g`` mapped at
+        device address ``bases[i]``: identity is the base of the CUDA allocation
+        holding it (``cuMemGetAddressRange``), start/end its absolute device range.
+        Two buffers are the same memory exactly when their identities match, whatever
+        handles named them (the same allocation reached under two entries, e.g. K
+        and V tensors of one cudaMalloc block). Lock held, context current."""
+        out = []
+        for i, (b, base) in enumerate(zip(g.buffers, bases, strict=True)):
+            try:
+                alloc, _ = self._dev.address_range(base)
+            except CudaError as e:  # our own query on a live mapping
+                self._note(e)
+                raise HandleUnusable(
+                    f"cannot tell which CUDA allocation holds geometry.buffers[{i}]: {e}"
+                ) from e
+            out.append((alloc, base, base + b.size))
+        return out
 
     def _ipc_hint(self, i: int, e: CudaError) -> str:
         if e.code == _CU_INVALID_DEVICE:
@@ -1370,7 +1514,14 @@ class CudaBackend:
         blocks: Sequence[BlockIO],
         region: Region,
         wait_event: bytes | None = None,
+        deadline: Deadline = NO_DEADLINE,
     ) -> list[SealRecord]:
+        """Seal ``blocks`` (see the module docstring). ``deadline`` is checked before
+        each chunk's kernels are queued (the kernels are what read the pages) and once
+        more after everything completed: a seal that finished past the cutoff, or
+        after the call was cancelled, is discarded (its nonces burnt, no record
+        returned), since its pages may have been read after the engine gave up. On
+        any failure both streams are drained before this raises."""
         assert isinstance(pool, CudaMappedPool) and isinstance(region, CudaHostRegion)
         if not blocks:
             return []
@@ -1380,7 +1531,7 @@ class CudaBackend:
             # Offload reads the pages, so nothing can start before the engine's event:
             # wait for it before taking the lock (a slow engine stream then holds up
             # only its own request, not the backend).
-            self._await_event(engine)
+            self._await_event(engine, deadline)
             with self._lock:
                 self._enter()
                 try:
@@ -1388,9 +1539,10 @@ class CudaBackend:
                 except BaseException as e:
                     self._failed(e)
                     raise
+                deadline.check("the first page")  # the lock may have taken a while
                 epoch, nonces = self._sealer.allocate_for_device(len(blocks))
                 try:
-                    return self._seal_locked(pool, blocks, region, epoch, nonces)
+                    return self._seal_locked(pool, blocks, region, epoch, nonces, deadline)
                 except BaseException as e:
                     for _ in blocks:  # burn every nonce drawn: none is ever reused
                         self._sealer.forget(epoch)
@@ -1406,6 +1558,7 @@ class CudaBackend:
         region: CudaHostRegion,
         epoch: int,
         nonces: list[bytes],
+        deadline: Deadline,
     ) -> list[SealRecord]:
         d, n, bb = self._dev, len(blocks), pool.block_bytes
         if len(nonces) != n:
@@ -1438,6 +1591,9 @@ class CudaBackend:
         d.memset_async(desc + lay.ws, _WS_BYTES * n, sk)
         chunks = split_chunks(n, bb, self.max_chunks, self.min_chunk_bytes)
         for ci, (a, b) in enumerate(chunks):
+            # Each chunk is a bounded unit of page reads; a failed check stops here
+            # and the caller drains what is queued (the chunks before this one).
+            deadline.check(f"blocks [{a}, {b})")
             self._launch("kvseal_seal", self._batch(key, pool, desc, lay, staging, a, b), sk)
             d.record(self._event(ci), sk)
         # Only now the D2H copies: under CC each one blocks this thread at issue,
@@ -1450,6 +1606,14 @@ class CudaBackend:
         d.d2h_async(host + lay.tags, desc + lay.tags, TAG_BYTES * n, sc)
         d.sync(sc)
         d.sync(sk)
+        if deadline.expired():
+            # The last chunk may have read its pages after the cutoff, i.e. after the
+            # engine gave up and reused them: never let those bytes be published.
+            raise DeadlinePassed(
+                "the request's deadline passed while its blocks were sealed; "
+                "the ciphertext was discarded and nothing is published"
+            )
+        deadline.check("the sealed blocks")  # cancelled or stopping meanwhile: discard
         tags = ctypes.string_at(host + lay.tags, TAG_BYTES * n)
         return [
             SealRecord(epoch, nonces[i], tags[TAG_BYTES * i : TAG_BYTES * (i + 1)])
@@ -1463,7 +1627,23 @@ class CudaBackend:
         records: Sequence[SealRecord],
         region: Region,
         wait_event: bytes | None = None,
+        deadline: Deadline = NO_DEADLINE,
     ) -> list[int]:
+        """Verify and open ``blocks`` into the pool (see the module docstring).
+        ``deadline`` is checked before each chunk's snapshot and verification are
+        queued, while the engine's event is awaited, and last right before the open
+        pass (the only work that writes pages: one launch per key epoch, queued back
+        to back, so it is one bounded unit of kernel time). After a failed check no
+        page was written; both streams are drained before this raises.
+
+        A CUDA error raised while or after the open pass was queued (a device fault,
+        a failed launch of a later epoch's open) may leave any of the request's
+        destination pages partly or wholly overwritten with the plaintext of this
+        request's blocks, all of which verified first (``open`` decrypts only the
+        verified snapshot in device memory, gated on every block's verdict); no
+        unverified byte and no page outside the request is ever written. The
+        request fails (INTERNAL) and the engine must treat all its destination
+        pages as unwritten garbage, as after any failed restore."""
         assert isinstance(pool, CudaMappedPool) and isinstance(region, CudaHostRegion)
         if len(records) != len(blocks):
             raise ValueError("one record per block is required")
@@ -1476,7 +1656,7 @@ class CudaBackend:
                 self._enter()
                 try:
                     self._prune_keys()
-                    return self._open_locked(pool, blocks, records, region, engine)
+                    return self._open_locked(pool, blocks, records, region, engine, deadline)
                 except BaseException as e:
                     self._failed(e)
                     raise
@@ -1490,6 +1670,7 @@ class CudaBackend:
         records: Sequence[SealRecord],
         region: CudaHostRegion,
         engine: Any,
+        deadline: Deadline,
     ) -> list[int]:
         d, n, bb = self._dev, len(blocks), pool.block_bytes
         # One key per launch: order the blocks by epoch so each epoch is a contiguous
@@ -1528,6 +1709,9 @@ class CudaBackend:
         for e, g0, g1 in groups:
             for ra, rb in split_chunks(g1 - g0, bb, self.max_chunks, self.min_chunk_bytes):
                 a, b = ra + g0, rb + g0
+                # Nothing here touches the pages (host region -> staging, verify on
+                # staging), but a request already failed need not spend the GPU.
+                deadline.check(f"blocks [{a}, {b})")
                 # Snapshot this chunk's ciphertext into private device memory: the
                 # only read of host memory; verify and open use the snapshot.
                 for h, s, nbytes in plan_runs(host_offsets, staging_offsets, bb, a, b):
@@ -1541,7 +1725,7 @@ class CudaBackend:
         # engine's remaining work; its event is awaited here, on the host (the
         # backend lock is held, so a stuck engine stream delays other requests by at
         # most the timeout; no GPU-side wait is ever queued on it).
-        self._await_event(engine)
+        self._await_event(engine, deadline)
         if len(groups) > 1:
             # Each launch's all-or-nothing gate sees only its own epoch's flags,
             # so the whole-request decision is made here first (rare: rekeys).
@@ -1552,6 +1736,9 @@ class CudaBackend:
                 return sorted(perm[j] for j in range(n) if flags[j] != 1)
         if self.stopping.is_set():  # an integrity abort elsewhere: write no page
             raise ShuttingDown("kvseal stopped serving; nothing was restored")
+        # The last check: once the open pass is queued it runs to its end (all
+        # epochs' launches back to back), and the reply waits for it.
+        deadline.check("the destination pages")
         for e, g0, g1 in groups:
             batch = self._batch(keys[e], pool, desc, lay, staging, g0, g1, all_or_nothing=True)
             self._launch("kvseal_open", batch, sk)
