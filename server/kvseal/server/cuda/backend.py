@@ -77,7 +77,7 @@ from kvseal.server.errors import (
     HandleUnusable,
     ShuttingDown,
 )
-from kvseal.server.pools import MappedPool, PoolSpec
+from kvseal.server.pools import BufferMemory, MappedPool, PoolSpec, check_disjoint
 from kvseal.server.sealing import KEY_BYTES, SealRecord
 
 log = logging.getLogger("kvseal.cuda")
@@ -409,34 +409,16 @@ def decode_torch_ipc_handle(raw: bytes) -> bytes:
 def check_no_alias(
     buffers: Sequence[tuple[int, int, int]], segments: Sequence[Any], num_pages: int
 ) -> None:
-    """Raise BadRequest if two buffers of a pool resolve to overlapping pieces of the
-    same memory such that a byte could belong to two (segment, page) pairs.
-
-    ``buffers[i]`` is ``(identity, start, end)``: the memory's identity (here the
-    CUDA allocation base) and the buffer's absolute range in it; ``segments`` are
-    the geometry's (``buffer``, ``offset``, ``page_stride``, ``bytes``). Segments of
-    one buffer entry are checked by ``Geometry.validate`` (interleaving allowed
-    there); across entries this is conservative: the whole extents (all pages) of
-    segments in different entries of the same memory must not overlap."""
-    last = num_pages - 1
-    spans: dict[int, list[tuple[int, int, int, int]]] = {}  # identity -> extents
-    for j, s in enumerate(segments):
-        ident, start, _end = buffers[s.buffer]
-        a = start + s.offset
-        spans.setdefault(ident, []).append((a, a + last * s.page_stride + s.bytes, s.buffer, j))
-    for extents in spans.values():
-        extents.sort()
-        reach: tuple[int, int, int, int] | None = None  # the extent reaching furthest
-        for ext in extents:
-            if reach is not None and ext[0] < reach[1] and ext[2] != reach[2]:
-                raise BadRequest(
-                    f"geometry.segments[{reach[3]}] (buffer {reach[2]}) and "
-                    f"geometry.segments[{ext[3]}] (buffer {ext[2]}) cover the same device "
-                    "memory: buffers that alias must not overlap (a restore into one page "
-                    "would rewrite another)"
-                )
-            if reach is None or ext[1] > reach[1]:
-                reach = ext
+    """Raise BadRequest if two (page, segment) pairs of a pool share a byte of
+    device memory, across buffers too. ``buffers[i]`` is ``(identity, start,
+    end)``: the CUDA allocation base holding buffer i and the buffer's absolute
+    device range. The exact check is the backend-independent
+    :func:`kvseal.server.pools.check_disjoint`."""
+    check_disjoint(
+        [BufferMemory(ident, start, end - start) for ident, start, end in buffers],
+        segments,
+        num_pages,
+    )
 
 
 # ----------------------------------------------------------------------------------------
