@@ -85,7 +85,8 @@ def names_of(entries: Sequence[Entry]) -> list[str]:
 
 
 def snapshot(idx: Index) -> tuple[object, ...]:
-    """Everything observable about an index, for before/after comparisons."""
+    """Everything observable about an index, for before/after comparisons
+    (not the eviction heap: stale items may be cleaned up at any time)."""
     with idx._lock:
         entries = tuple(
             (
@@ -94,6 +95,10 @@ def snapshot(idx: Index) -> tuple[object, ...]:
                 e.extent,
                 e.pins,
                 e.removed,
+                e.record,
+                e.generation,
+                e.last_use,
+                e.doomed_by is not None,
                 e.parent.key if e.parent else None,
                 tuple(sorted(c.key for c in e.children)),
             )
@@ -101,7 +106,7 @@ def snapshot(idx: Index) -> tuple[object, ...]:
         )
         return (
             entries,
-            tuple(idx._lru),
+            tuple(e.key for e in sorted(idx._ready.values(), key=lambda e: e.last_use)),
             tuple(idx._alloc._offsets),
             tuple(idx._alloc._sizes),
             idx._alloc.used,
@@ -161,7 +166,7 @@ def test_offload_of_present_block_is_already_present_and_touches() -> None:
     # a was touched (and protected): b, the oldest other leaf, made room.
     assert names_of(plan.evicted) == ["b"]
     idx.complete_store(plan.new, [record()])
-    assert list(idx._lru) == [(NS, T1, h(n)) for n in ("c", "a", "x")]
+    assert idx.lru_order() == [(NS, T1, h(n)) for n in ("c", "a", "x")]
     idx.check_invariants()
 
 
@@ -210,8 +215,9 @@ def test_eviction_of_several_leaves_in_one_plan() -> None:
     plan = idx.begin_store(NS, T1, None, [h("X"), h("Y")], BLOCK)
     # C is the oldest leaf; then B becomes one (older than D).
     assert names_of(plan.evicted) == ["C", "B"]
-    assert names_of(freed.calls) == ["C", "B"]
+    assert freed.calls == []  # only doomed until the store succeeds
     idx.complete_store(plan.new, [record(), record()])
+    assert names_of(freed.calls) == ["C", "B"]
     assert states(idx, ["A", "B", "C", "D", "X", "Y"]) == [
         State.READY,
         State.ABSENT,
@@ -575,10 +581,13 @@ def test_mixed_block_sizes_stay_consistent_and_atomic(
             except CapacityExhausted:
                 assert snapshot(idx) == before
                 continue
+            victims = set(plan.evicted)
             for v in plan.evicted:
-                assert v.pins == 0 and not v.children and v.removed
+                assert v.pins == 0 and not (v.children - victims) and v.doomed_by is not None
+            idx.check_invariants()
             made.extend(plan.new)
             idx.complete_store(plan.new, [record() for _ in plan.new])
+            assert all(v.removed and v.extent.size == 0 for v in plan.evicted)
         elif op == "pin":
             try:
                 pins.append(idx.begin_restore(ns, T1, hashes))
