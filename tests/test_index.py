@@ -9,12 +9,12 @@ the index against it after every step.
 from __future__ import annotations
 
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -23,8 +23,8 @@ from hypothesis.stateful import (
     rule,
 )
 from kvseal.server.errors import BlockNotPresent, CapacityExhausted
-from kvseal.server.hostregion import SLOT_ALIGN
-from kvseal.server.index import Entry, Index, State, StoreOutcome
+from kvseal.server.hostregion import SLOT_ALIGN, Extent
+from kvseal.server.index import Entry, Index, Removal, State, StoreOutcome, StorePlan
 from kvseal.server.sealing import SealRecord
 
 NS = b"N" * 32
@@ -637,21 +637,40 @@ class MEntry:
     removed: bool = False
     sealing: bool = True
     has_record: bool = False
+    stamp: int = 0  # model recency
+    doomed: Batch | None = None  # victim of a store that has not settled
+    doom_why: Removal | None = None  # must go at settlement whatever happens
 
     @property
     def freed(self) -> bool:
         return self.removed and self.pins == 0 and not self.sealing
+
+    @property
+    def visible(self) -> bool:
+        return self.state is State.READY and self.doomed is None and not self.removed
+
+
+@dataclass(eq=False)
+class Batch:
+    """One begin_store the model is waiting to settle."""
+
+    plan: StorePlan
+    new: list[MEntry]
+    victims: list[MEntry]
+    victim_extents: list[Extent]  # as they were when doomed
 
 
 class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.frees: Counter[int] = Counter()
-        self.idx = Index(CAPACITY_BLOCKS * BLOCK + 17, on_free=self._on_free)
+        self.events: list[tuple[str, Removal | None, list[int]]] = []
+        self.idx = Index(CAPACITY_BLOCKS * BLOCK + 17, on_free=self._on_free, on_event=self._ev)
         self.model: dict[int, MEntry] = {}  # id(entry) -> model, every entry ever made
         self.live: dict[tuple[bytes, bytes], MEntry] = {}  # (tenant, hash) -> model
-        self.lru: OrderedDict[MEntry, None] = OrderedDict()
-        self.pending: list[list[MEntry]] = []
+        self.ready: set[MEntry] = set()  # visible READY; LRU order is by stamp
+        self.clock = itertools.count(1)
+        self.pending: list[Batch] = []
         self.restores: list[list[MEntry]] = []
 
     def _on_free(self, e: Entry) -> None:
@@ -660,13 +679,28 @@ class IndexMachine(RuleBasedStateMachine):
         self.frees[id(e)] += 1
         assert id(e) in self.model or e.record is not None
 
+    def _ev(self, kind: str, reason: Removal | None, entries: list[Entry]) -> None:
+        self.events.append((kind, reason, [id(e) for e in entries]))
+
+    def take_events(self) -> tuple[set[int], set[tuple[Removal | None, int]]]:
+        """(STORED ids, {(reason, id)} REMOVED) since the last call."""
+        stored = {i for k, _, ids in self.events if k == "STORED" for i in ids}
+        removed = {(r, i) for k, r, ids in self.events if k == "REMOVED" for i in ids}
+        self.events.clear()
+        return stored, removed
+
     # ---------------------------------------------------------- model helpers
 
-    def m_remove(self, m: MEntry, *, cascade: bool, reparent: bool = False) -> list[MEntry]:
+    def use(self, m: MEntry) -> None:
+        m.stamp = next(self.clock)
+
+    def m_remove(
+        self, m: MEntry, *, cascade: bool, reparent: bool = False, why: Removal = Removal.DROPPED
+    ) -> list[MEntry]:
         out = [m]
         m.removed = True
         self.live.pop((m.tenant, m.hash), None)
-        self.lru.pop(m, None)
+        self.ready.discard(m)
         if m.parent is not None:
             m.parent.children.discard(m)
             m.parent = None
@@ -675,30 +709,31 @@ class IndexMachine(RuleBasedStateMachine):
         for c in kids:
             c.parent = None
             if cascade and not reparent and not c.removed:
-                out.extend(self.m_remove(c, cascade=True))
+                if c.doomed is not None:
+                    c.doom_why = c.doom_why or why
+                else:
+                    out.extend(self.m_remove(c, cascade=True, why=why))
         return out
 
-    def evictable(self, m: MEntry, protected: set[MEntry]) -> bool:
-        return (
-            m.state is State.READY
-            and m.pins == 0
-            and m not in protected
-            and all(self.evictable(c, protected) for c in m.children)
-        )
+    def lru(self) -> list[MEntry]:
+        return sorted(self.ready, key=lambda m: m.stamp)
 
     def expected_victims(self, n_new: int, protected: set[MEntry]) -> list[MEntry] | None:
-        """The greedy LRU-leaf eviction on the model; None: cannot fit."""
-        used = sum(1 for m in self.model.values() if not m.freed)
+        """The greedy LRU-leaf eviction on the model; None: cannot fit. A
+        slot is in use while any unfreed entry holds it (a doomed victim
+        shares its slot with its plan's new block, or holds it alone)."""
+        used = len({m.entry.extent.offset for m in self.model.values() if not m.freed})
         free = CAPACITY_BLOCKS - used
         if free >= n_new:
             return []
         victims: list[MEntry] = []
         gone: set[MEntry] = set()
+        order = self.lru()
         while free < n_new:
             cand = next(
                 (
                     m
-                    for m in self.lru
+                    for m in order
                     if m not in gone
                     and m not in protected
                     and m.pins == 0
@@ -713,6 +748,31 @@ class IndexMachine(RuleBasedStateMachine):
             free += 1
         return victims
 
+    def settle(self, batch: Batch, written: list[Extent] | None) -> set[tuple[Removal, int]]:
+        """The model of Index._settle; returns the expected REMOVED events."""
+        going: dict[MEntry, Removal] = {}
+        for v, ext in zip(reversed(batch.victims), reversed(batch.victim_extents), strict=True):
+            if written is None or any(w.offset == ext.offset for w in written):
+                going[v] = Removal.EVICTED
+            elif v.doom_why is not None:
+                going[v] = v.doom_why
+            elif v.parent is not None and v.parent in going:
+                going[v] = going[v.parent]
+        kept = len(batch.victims) - len(going)
+        event(
+            f"settled {'success' if written is None else 'failure'}: {len(going)} gone, {kept} kept"
+        )
+        if any(v.doom_why is not None for v in batch.victims):
+            event("a doomed victim was dropped before its store settled")
+        for v in batch.victims:
+            v.doomed = None
+            v.doom_why = None
+            if v in going:
+                self.m_remove(v, cascade=False)
+            else:
+                self.ready.add(v)  # at its own recency: the stamp never changed
+        return {(why, id(v.entry)) for v, why in going.items()}
+
     def ids(self, entries: Sequence[Entry]) -> list[MEntry]:
         return [self.model[id(e)] for e in entries]
 
@@ -721,9 +781,9 @@ class IndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.pending) < 2)
     @rule(tenant=st.sampled_from(TENANTS), parent=PARENTS, hashes=STORE_HASHES)
     def begin_store(self, tenant: bytes, parent: bytes | None, hashes: list[bytes]) -> None:
-        """A store whose sealing is still running (completed by a later rule)."""
+        """A store whose sealing is still running (settled by a later rule)."""
         batch = self._begin_store(tenant, parent, hashes)
-        if batch:
+        if batch is not None:
             self.pending.append(batch)
 
     @rule(
@@ -737,12 +797,26 @@ class IndexMachine(RuleBasedStateMachine):
     ) -> None:
         """The common case: begin_store and complete_store back to back."""
         batch = self._begin_store(tenant, parent, hashes)
-        if batch:
-            self._complete_store(batch, ok[: len(batch)])
+        if batch is not None:
+            self._complete_store(batch, ok[: len(batch.new)])
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        parent=PARENTS,
+        hashes=STORE_HASHES,
+        written=st.lists(st.booleans(), min_size=4, max_size=4),
+    )
+    def store_fails(
+        self, tenant: bytes, parent: bytes | None, hashes: list[bytes], written: list[bool]
+    ) -> None:
+        """begin_store then abort_store at once (the backend failed)."""
+        batch = self._begin_store(tenant, parent, hashes)
+        if batch is not None:
+            self._abort_store(batch, [i for i, w in enumerate(written[: len(batch.new)]) if w])
 
     def _begin_store(
         self, tenant: bytes, parent: bytes | None, hashes: list[bytes]
-    ) -> list[MEntry]:
+    ) -> Batch | None:
         existing = [self.live.get((tenant, x)) for x in hashes]
         parent0 = self.live.get((tenant, parent)) if parent else None
         protected = {m for m in existing if m is not None}
@@ -758,13 +832,15 @@ class IndexMachine(RuleBasedStateMachine):
             assert expected is None, "refused although room could be made"
             assert snapshot(self.idx) == before, "a refused store changed the index"
             assert sum(self.frees.values()) == frees_before
-            return []
+            return None
         assert expected is not None, "accepted although nothing could be evicted"
+        assert self.events == [], "begin_store announced something"
+        assert sum(self.frees.values()) == frees_before, "a doomed victim was freed"
         exp_outcomes = [
             StoreOutcome.STORED
             if m is None
             else StoreOutcome.ALREADY_PRESENT
-            if m.state is State.READY
+            if m.visible
             else StoreOutcome.IN_PROGRESS
             for m in existing
         ]
@@ -772,54 +848,94 @@ class IndexMachine(RuleBasedStateMachine):
         assert plan.new_positions == [i for i, m in enumerate(existing) if m is None]
         # Eviction: exactly the greedy choice; each victim a leaf, unpinned, READY.
         assert len(plan.evicted) == len(expected)
+        batch = Batch(plan, [], expected, [e.extent for e in plan.evicted])
         for e, m in zip(plan.evicted, expected, strict=True):
             assert self.model[id(e)] is m, "wrong victim (not the LRU leaf)"
-            assert m.pins == 0 and m.state is State.READY and not m.children
-            assert e.pins == 0
-            self.m_remove(m, cascade=False)
+            assert m.pins == 0 and m.state is State.READY and not (m.children - set(expected))
+            assert e.doomed_by is not None and not e.removed
+            m.doomed = batch
+            self.ready.discard(m)
         # New entries, linked like the index links them.
-        new_models: list[MEntry] = []
         for e, pos in zip(plan.new, plan.new_positions, strict=True):
             assert e.block_hash == hashes[pos] and e.state is State.PENDING
             m = MEntry(e, tenant, hashes[pos])
             self.model[id(e)] = m
             self.live[(tenant, hashes[pos])] = m
-            new_models.append(m)
+            batch.new.append(m)
         for i, x in enumerate(hashes):
             if exp_outcomes[i] is not StoreOutcome.STORED:
                 continue
             child = self.live[(tenant, x)]
             par = parent0 if i == 0 else self.live.get((tenant, hashes[i - 1]))
-            if par is not None and not par.removed:
+            if par is not None and not par.removed and par.doomed is None:
                 child.parent = par
                 par.children.add(child)
         for i, x in enumerate(hashes):
             if exp_outcomes[i] is StoreOutcome.ALREADY_PRESENT:
-                self.lru.move_to_end(self.live[(tenant, x)])
-        return new_models
+                self.use(self.live[(tenant, x)])
+        return batch if batch.new else None
 
     @precondition(lambda self: bool(self.pending))
     @rule(data=st.data())
     def complete_store(self, data: st.DataObject) -> None:
         batch = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
-        ok = data.draw(st.lists(st.booleans(), min_size=len(batch), max_size=len(batch)))
+        ok = data.draw(st.lists(st.booleans(), min_size=len(batch.new), max_size=len(batch.new)))
         self._complete_store(batch, ok)
 
-    def _complete_store(self, batch: list[MEntry], ok: list[bool]) -> None:
+    @precondition(lambda self: bool(self.pending))
+    @rule(data=st.data())
+    def abort_store(self, data: st.DataObject) -> None:
+        batch = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        n = len(batch.new)
+        written = data.draw(st.lists(st.integers(0, n - 1), max_size=n, unique=True))
+        self._abort_store(batch, written)
+
+    def _complete_store(self, batch: Batch, ok: list[bool]) -> None:
         records = [record() if good else None for good in ok]
-        self.idx.complete_store([m.entry for m in batch], records)
-        for m, good in zip(batch, ok, strict=True):
+        extents = [m.entry.extent for m in batch.new]
+        self.idx.complete_store([m.entry for m in batch.new], records)
+        stored: set[int] = set()
+        exp_removed: set[tuple[Removal | None, int]] = set()
+        for m, good in zip(batch.new, ok, strict=True):
             m.has_record = good
             if m.removed or not good:
                 if not m.removed:
-                    self.m_remove(m, cascade=True)
+                    cascade = self.m_remove(m, cascade=True)[1:]
+                    exp_removed |= {
+                        (Removal.DROPPED, id(c.entry)) for c in cascade if c.state is State.READY
+                    }
                 m.sealing = False
                 if good:
                     m.state = State.READY
                 continue
             m.sealing = False
             m.state = State.READY
-            self.lru[m] = None
+            self.use(m)
+            self.ready.add(m)
+            stored.add(id(m.entry))
+        exp_removed |= self.settle(batch, None if all(ok) else extents)
+        got_stored, got_removed = self.take_events()
+        assert got_stored == stored
+        assert got_removed == exp_removed
+
+    def _abort_store(self, batch: Batch, written: list[int]) -> None:
+        hit = [batch.new[i].entry.extent for i in written]
+        evicted, cascaded = self.idx.abort_store(batch.plan, set(written))
+        exp_cascade: list[MEntry] = []
+        for m in batch.new:
+            if not m.removed:
+                exp_cascade.extend(self.m_remove(m, cascade=True)[1:])
+            m.sealing = False
+        exp_removed = self.settle(batch, hit)
+        assert {id(e) for e in evicted} == {i for _, i in exp_removed}
+        assert len(evicted) == len(exp_removed)
+        assert set(self.ids(cascaded)) == set(exp_cascade)
+        exp_removed |= {
+            (Removal.DROPPED, id(c.entry)) for c in exp_cascade if c.state is State.READY
+        }
+        got_stored, got_removed = self.take_events()
+        assert got_stored == set()
+        assert got_removed == exp_removed
 
     @precondition(lambda self: len(self.restores) < 3)
     @rule(
@@ -827,22 +943,22 @@ class IndexMachine(RuleBasedStateMachine):
         hashes=st.lists(st.sampled_from(HASHES), min_size=1, max_size=4, unique=True),
     )
     def begin_restore(self, tenant: bytes, hashes: list[bytes]) -> None:
-        """A restore of arbitrary hashes (mostly refused: absent or pending)."""
+        """A restore of arbitrary hashes (mostly refused: absent, pending or doomed)."""
         self._begin_restore(tenant, hashes)
 
-    @precondition(lambda self: len(self.restores) < 3 and bool(self.lru))
+    @precondition(lambda self: len(self.restores) < 3 and bool(self.ready))
     @rule(data=st.data())
     def restore_present(self, data: st.DataObject) -> None:
-        """A restore of blocks that are READY (a lookup hit): pins them."""
-        m0 = data.draw(st.sampled_from(list(self.lru)))
-        ready = sorted(m.hash for m in self.lru if m.tenant == m0.tenant)
+        """A restore of blocks that are visible READY (a lookup hit): pins them."""
+        m0 = data.draw(st.sampled_from(self.lru()))
+        ready = sorted(m.hash for m in self.ready if m.tenant == m0.tenant)
         more = data.draw(st.lists(st.sampled_from(ready), max_size=3, unique=True))
         self._begin_restore(m0.tenant, [m0.hash, *(x for x in more if x != m0.hash)])
 
     def _begin_restore(self, tenant: bytes, hashes: list[bytes]) -> None:
         ms = [self.live.get((tenant, x)) for x in hashes]
         before = snapshot(self.idx)
-        if any(m is None or m.state is not State.READY for m in ms):
+        if any(m is None or not m.visible for m in ms):
             with pytest.raises(BlockNotPresent):
                 self.idx.begin_restore(NS, tenant, hashes)
             assert snapshot(self.idx) == before
@@ -865,7 +981,7 @@ class IndexMachine(RuleBasedStateMachine):
         exp_bad: list[MEntry] = []
         for m in failed:
             if not m.removed:
-                exp_bad.extend(self.m_remove(m, cascade=True))
+                exp_bad.extend(self.m_remove(m, cascade=True, why=Removal.INTEGRITY))
         exp_rel: list[MEntry] = []
         failed_set = set(failed)
         if release:
@@ -874,14 +990,15 @@ class IndexMachine(RuleBasedStateMachine):
                     exp_rel.extend(self.m_remove(m, cascade=False, reparent=True))
         else:
             for m in batch:
-                if not m.removed and m in self.lru:
-                    self.lru.move_to_end(m)
+                if m.visible:
+                    self.use(m)
         for m in batch:
             m.pins -= 1
         assert set(self.ids(released)) == set(exp_rel)
         assert len(released) == len(exp_rel)
         assert set(self.ids(bad)) == set(exp_bad)
         assert len(bad) == len(exp_bad)
+        self.events.clear()
 
     @rule(
         tenant=st.sampled_from(TENANTS),
@@ -894,11 +1011,45 @@ class IndexMachine(RuleBasedStateMachine):
             targets = [m for x in hashes if (m := self.live.get((tenant, x))) is not None]
         exp: list[MEntry] = []
         for m in targets:
-            if not m.removed:
+            if m.doomed is not None:
+                m.doom_why = m.doom_why or Removal.DROPPED  # marked, not removed yet
+            elif not m.removed:
                 exp.extend(self.m_remove(m, cascade=True))
         removed = self.idx.drop(NS, tenant, hashes)
         assert set(self.ids(removed)) == set(exp)
         assert len(removed) == len(exp)
+        _, got_removed = self.take_events()
+        assert got_removed == {
+            (Removal.DROPPED, id(m.entry)) for m in exp if m.state is State.READY
+        }
+
+    def doomed(self) -> list[MEntry]:
+        return sorted(
+            (m for b in self.pending for m in b.victims if not m.removed),
+            key=lambda m: m.stamp,
+        )
+
+    @precondition(lambda self: bool(self.doomed()))
+    @rule(data=st.data())
+    def poke_doomed(self, data: st.DataObject) -> None:
+        """Aim at a victim of a store in flight: it is invisible to lookup,
+        restore and touch, a store of it is IN_PROGRESS, a drop (of it, of
+        its tenant, or of an ancestor) only marks it."""
+        m = data.draw(st.sampled_from(self.doomed()))
+        what = data.draw(st.sampled_from(["drop", "drop_parent", "drop_all", "probe"]))
+        if what == "probe":
+            self.lookup(m.tenant, [m.hash])
+            self.touch(m.tenant, [m.hash])
+            self._begin_restore(m.tenant, [m.hash])
+            if len(self.pending) < 2:
+                self.begin_store(m.tenant, None, [m.hash])
+            return
+        if what == "drop_parent" and m.parent is not None:
+            self.drop(m.tenant, [m.parent.hash])
+        else:
+            self.drop(m.tenant, None if what == "drop_all" else [m.hash])
+        # Marked to go: it, or the doomed parent it will follow.
+        assert m.doom_why is not None or (m.parent is not None and m.parent.doom_why is not None)
 
     @rule(
         tenant=st.sampled_from(TENANTS),
@@ -908,8 +1059,8 @@ class IndexMachine(RuleBasedStateMachine):
         n = 0
         for x in hashes:
             m = self.live.get((tenant, x))
-            if m is not None and m in self.lru:
-                self.lru.move_to_end(m)
+            if m is not None and m.visible:
+                self.use(m)
                 n += 1
         assert self.idx.touch(NS, tenant, hashes) == n
 
@@ -918,15 +1069,18 @@ class IndexMachine(RuleBasedStateMachine):
         hashes=st.lists(st.sampled_from(HASHES), min_size=1, max_size=6),
     )
     def lookup(self, tenant: bytes, hashes: list[bytes]) -> None:
-        lru_before = list(self.idx._lru)
+        lru_before = self.idx.lru_order()
         hit, got = self.idx.lookup(NS, tenant, hashes)
         exp = [
-            State.ABSENT if (m := self.live.get((tenant, x))) is None else m.state for x in hashes
+            State.ABSENT
+            if (m := self.live.get((tenant, x))) is None or m.doomed is not None
+            else m.state
+            for x in hashes
         ]
         assert got == exp
         exp_hit = next((i for i, s in enumerate(exp) if s is not State.READY), len(exp))
         assert hit == exp_hit
-        assert list(self.idx._lru) == lru_before
+        assert self.idx.lru_order() == lru_before
 
     # ---------------------------------------------------------- invariants
 
@@ -940,21 +1094,28 @@ class IndexMachine(RuleBasedStateMachine):
         assert {(k[1], k[2]): id(e) for k, e in idx._map.items()} == {
             k: id(m.entry) for k, m in self.live.items()
         }
-        assert [id(e) for e in idx._lru.values()] == [id(m.entry) for m in self.lru]
-        # Every entry holding a slot holds a distinct one, and the allocator agrees.
-        held = sorted(
-            (m.entry.extent.offset, m.entry.extent.size)
-            for m in self.model.values()
-            if m.entry.extent.size
-        )
+        assert idx.lru_order() == [m.entry.key for m in self.lru()]
+        # Every entry holding a slot holds a distinct one (a doomed victim
+        # shares its slot only with a new block of the plan that doomed it),
+        # and the allocator counts each slot in use once.
+        holders = [m for m in self.model.values() if m.entry.extent.size and m.doomed is None]
+        held = sorted((m.entry.extent.offset, m.entry.extent.size) for m in holders)
         for (o1, s1), (o2, _) in itertools.pairwise(held):
             assert o1 + s1 <= o2, "overlapping slots"
-        assert sum(s for _, s in held) == stats.used_bytes
+        owner = {m.entry.extent.offset: m for m in holders}
+        for m in self.model.values():
+            if m.doomed is not None:
+                other = owner.get(m.entry.extent.offset)
+                assert other is None or other in m.doomed.new, "a doomed slot was given away"
+        slots = {m.entry.extent.offset for m in self.model.values() if m.entry.extent.size}
+        assert len(slots) * BLOCK == stats.used_bytes
         for m in self.model.values():
             e = m.entry
             assert e.removed == m.removed
             assert e.pins == m.pins
             assert e.state is m.state or m.removed
+            assert (e.doomed_by is not None) == (m.doomed is not None)
+            assert e.doom_removal is m.doom_why
             assert (e.parent is None) == (m.parent is None)
             if m.parent is not None:
                 assert e.parent is m.parent.entry
@@ -965,15 +1126,15 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.frees[id(e)] == (1 if m.freed and m.has_record else 0)
         assert stats.pinned == sum(1 for m in self.live.values() if m.pins)
         assert stats.pending == sum(1 for m in self.live.values() if m.state is State.PENDING)
-        assert stats.ready == len(self.lru)
+        assert stats.ready == len(self.ready)
 
     def teardown(self) -> None:
         # Finish everything in flight: the index must end empty of held slots
         # once all is dropped.
         for batch in self.pending:
-            self.idx.complete_store([m.entry for m in batch], [record() for _ in batch])
-        for batch in self.restores:
-            self.idx.complete_restore([m.entry for m in batch], release=False)
+            self.idx.complete_store([m.entry for m in batch.new], [record() for _ in batch.new])
+        for b in self.restores:
+            self.idx.complete_restore([m.entry for m in b], release=False)
         for t in TENANTS:
             self.idx.drop(NS, t, None)
         self.idx.check_invariants()
@@ -982,7 +1143,7 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 IndexMachine.TestCase.settings = settings(
-    max_examples=100,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

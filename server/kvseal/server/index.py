@@ -399,13 +399,19 @@ class Index:
             ev = next((e.eviction for e in entries if e.eviction is not None), None)
             stored: list[Entry] = []
             cascaded: list[Entry] = []
+            seen: list[Entry] = []  # cascaded entries that were READY (announced) then
             extents = [e.extent for e in entries]
             for e, rec in zip(entries, records, strict=True):
                 e.eviction = None
                 e.record = rec
                 if rec is None or e.removed:
                     if not e.removed:
-                        cascaded.extend(c for c in self._remove(e, cascade=True) if c is not e)
+                        gone_now = [c for c in self._remove(e, cascade=True) if c is not e]
+                        cascaded.extend(gone_now)
+                        # A later entry of this batch may be in the cascade while
+                        # still PENDING: it was never announced, so it must not be
+                        # announced as removed when it turns READY below.
+                        seen.extend(c for c in gone_now if c.state is State.READY)
                     if rec is not None:
                         e.state = State.READY  # sealed, but nobody will see it
                     self._free_if_idle(e, sealing_done=True)
@@ -421,7 +427,7 @@ class Index:
                 gone = self._settle(ev, None if ok else extents)
             self._announce_gone(gone)
             self._announce("STORED", None, stored)
-            self._announce("REMOVED", Removal.DROPPED, cascaded)
+            self._announce("REMOVED", Removal.DROPPED, seen)
             for e in stored:
                 self._consider(e)
             return cascaded
