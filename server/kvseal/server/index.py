@@ -450,7 +450,8 @@ class Index:
         blocks other requests linked under them leave with them, announced
         REMOVED (DROPPED).
 
-        Returns (victims removed, descendants removed). Raises ValueError and
+        Returns (victims removed, descendants removed: entries of other
+        requests, not ``plan.new``). Raises ValueError and
         changes nothing if a position is out of range."""
         positions = set(written)
         if any(not 0 <= i < len(plan.new) for i in positions):
@@ -458,12 +459,13 @@ class Index:
         with self._lock:
             ev = next((e.eviction for e in plan.new if e.eviction is not None), None)
             hit = [plan.new[i].extent for i in sorted(positions)]
+            mine = {id(e) for e in plan.new}
             cascaded: list[Entry] = []
             for e in plan.new:
                 e.eviction = None
                 e.record = None
                 if not e.removed:
-                    cascaded.extend(c for c in self._remove(e, cascade=True) if c is not e)
+                    cascaded.extend(c for c in self._remove(e, cascade=True) if id(c) not in mine)
                 self._free_if_idle(e, sealing_done=True)
             gone = self._settle(ev, hit) if ev is not None else []
             self._announce_gone(gone)
