@@ -338,6 +338,25 @@ def test_drop_cascades_to_descendants() -> None:
     idx.check_invariants()
 
 
+def test_drop_of_a_chain_far_deeper_than_the_recursion_limit() -> None:
+    n = 20_000
+    idx, freed = make(n)
+    chain = [i.to_bytes(32, "big") for i in range(n)]
+    plan = idx.begin_store(NS, T1, None, chain, BLOCK)
+    idx.complete_store(plan.new, [record() for _ in plan.new])
+    removed = idx.drop(NS, T1, [chain[0]])
+    assert removed == plan.new  # the whole chain, root first
+    assert freed.calls == plan.new[::-1]  # leaves first, as the recursive walk freed them
+    assert idx.stats().used_bytes == 0
+    # The same depth through a failed store and through an aborted one.
+    plan = idx.begin_store(NS, T1, None, chain, BLOCK)
+    idx.complete_store(plan.new, [None] * n)
+    plan = idx.begin_store(NS, T1, None, chain, BLOCK)
+    idx.abort_store(plan, set(range(n)))
+    assert idx.stats().used_bytes == 0
+    idx.check_invariants()
+
+
 def test_drop_all_of_tenant() -> None:
     idx, _ = make(8)
     store(idx, ["a", "b"])

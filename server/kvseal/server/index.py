@@ -639,26 +639,36 @@ class Index:
         A doomed descendant is only marked to go (reason ``why``) and
         unlinked: its store settles it.
         """
-        out = [e]
-        e.removed = True
-        self._map.pop(e.key, None)
-        self._ready.pop(e.key, None)
+        # Iterative (a chain can be far deeper than Python's recursion limit),
+        # in the order the recursive walk had: pre-order out, frees post-order.
+        out: list[Entry] = []
         parent = e.parent
         if parent is not None:
             parent.children.discard(e)
             e.parent = None
+        stack = [e]
+        while stack:
+            x = stack.pop()
+            out.append(x)
+            x.removed = True
+            self._map.pop(x.key, None)
+            self._ready.pop(x.key, None)
+            children = list(x.children)
+            x.children.clear()
+            descend: list[Entry] = []
+            for c in children:
+                c.parent = None
+                if cascade and not reparent and not c.removed:
+                    if c.doomed_by is not None:
+                        if c.doom_removal is None:
+                            c.doom_removal = why
+                    else:
+                        descend.append(c)
+            stack.extend(reversed(descend))
+        for x in reversed(out):
+            self._free_if_idle(x)
+        if parent is not None:
             self._consider(parent)
-        children = list(e.children)
-        e.children.clear()
-        for c in children:
-            c.parent = None
-            if cascade and not reparent and not c.removed:
-                if c.doomed_by is not None:
-                    if c.doom_removal is None:
-                        c.doom_removal = why
-                else:
-                    out.extend(self._remove(c, cascade=True, why=why))
-        self._free_if_idle(e)
         return out
 
     def _free_if_idle(self, e: Entry, *, sealing_done: bool = False) -> None:
