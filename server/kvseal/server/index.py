@@ -37,13 +37,18 @@ descendants, so the index never keeps orphaned descendants. A doomed leaf
 still counts as its parent's child until its store settles (the parent is not
 a leaf yet: the victim may be reinstated under it).
 
-Cost. Recency is a stamp from a clock; the evictable leaves (READY, visible,
-unpinned, childless) sit in a binary heap keyed by stamp, invalidated lazily
-(an item is current while its sequence number is the entry's ``heaped``;
-every transition that can make an entry evictable pushes it again). Planning
-an eviction pops O(victims + skipped) items, each O(log N), independent of
-how many blocks the tier holds. The heap is rebuilt when stale items
-outnumber current ones, so its size stays O(N) (amortised O(1) per push).
+Cost. Recency is a stamp from a clock. The evictable leaves (READY,
+visible, unpinned, childless) are tracked eagerly, at every transition, in
+one of two structures: an ordered dict for leaves that became evictable with
+the newest stamp (published, touched, restored: the common case, O(1) in and
+out, no stale entries), and a binary heap keyed by stamp for leaves that
+became evictable at an *older* stamp (a parent whose last child left, a
+reinstated victim). Heap items are invalidated lazily (an item is current
+while its sequence number is the entry's ``heaped``), and the heap is rebuilt
+when stale items outnumber current ones (amortised O(1) per push). Planning
+an eviction merges the two in stamp order and looks at O(victims +
+protected + stale heap items) entries, each O(1) or O(log N): independent
+of how many blocks the tier holds, and touches never leave stale items.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import bisect
 import heapq
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -96,7 +102,9 @@ class Entry:
     removed: bool = False
     # Recency stamp (larger = more recently used); meaningful while READY.
     last_use: int = 0
-    # Sequence number of this entry's current eviction-heap item (0: none).
+    # Where the eviction planner finds it: _UNTRACKED, _ORDERED or _HEAP, and the
+    # sequence number of its current heap item (0: none).
+    tracked: int = 0
     heaped: int = 0
     # Set while the entry is an eviction victim of a store that has not settled.
     doomed_by: _Eviction | None = None
@@ -152,6 +160,7 @@ class IndexStats:
 
 
 _HeapItem = tuple[int, int, Entry]  # (last_use stamp, sequence number, entry)
+_UNTRACKED, _ORDERED, _HEAP = 0, 1, 2
 
 
 class Index:
@@ -171,7 +180,12 @@ class Index:
         self._alloc = ExtentAllocator(capacity)
         self._map: dict[BlockKey, Entry] = {}
         self._ready: dict[BlockKey, Entry] = {}  # visible READY entries (any order)
-        self._heap: list[_HeapItem] = []  # evictable leaves by stamp, lazily invalidated
+        # Evictable leaves: those that became so with the newest stamp, in stamp
+        # order; and the others, in a heap by stamp (stale items invalidated lazily).
+        self._leaves: OrderedDict[BlockKey, Entry] = OrderedDict()
+        self._last_appended = 0  # stamp of the newest leaf ever appended to _leaves
+        self._heap: list[_HeapItem] = []
+        self._heap_live = 0  # current items in _heap
         self._clock = 0  # recency stamps
         self._seq = itertools.count(1)  # heap item identities (never reused)
         self._evictions: set[_Eviction] = set()  # not settled yet
@@ -282,8 +296,8 @@ class Index:
                 ev = _Eviction(victims, new, holds)
                 self._evictions.add(ev)
                 for v in victims:
+                    self._untrack(v)  # a chosen heap item was popped: it is gone
                     v.doomed_by = ev
-                    v.heaped = 0
                     del self._ready[v.key]
                 for e in new:
                     e.eviction = ev
@@ -297,6 +311,7 @@ class Index:
                 if parent is not None and not parent.removed and parent.doomed_by is None:
                     child.parent = parent
                     parent.children.add(child)
+                    self._untrack(parent)  # not a leaf any more
             # Touch what was already there, in chain order.
             for i, h in enumerate(hashes):
                 if outcomes[i] is StoreOutcome.ALREADY_PRESENT:
@@ -327,37 +342,44 @@ class Index:
         chosen: set[int] = set()
         gone: dict[int, int] = {}  # id(parent) -> children chosen so far
         local: list[_HeapItem] = []
-        put_back: list[_HeapItem] = []  # current global items taken out (restored on failure)
-        aside: list[_HeapItem] = []  # current global items skipped (always restored)
+        put_back: list[_HeapItem] = []  # heap items of chosen victims (restored on failure)
+        aside: list[_HeapItem] = []  # heap items skipped (always restored)
         heap = self._heap
+        ordered = iter(self._leaves.values())  # not changed while planning
+        head = next(ordered, None)
 
         def leaf_now(e: Entry) -> bool:
             return e.visible and e.pins == 0 and len(e.children) == gone.get(id(e), 0)
 
         while self._alloc.fits(need) < n:
             cand: Entry | None = None
-            while cand is None and (heap or local):
-                if local and (not heap or local[0] < heap[0]):
+            while cand is None and (head is not None or heap or local):
+                # The oldest of the three sources (stamps are unique).
+                src, best = 0, head.last_use if head is not None else None
+                if heap and (best is None or heap[0][0] < best):
+                    src, best = 1, heap[0][0]
+                if local and (best is None or local[0][0] < best):
+                    src = 2
+                self.examined += 1
+                if src == 0:
+                    assert head is not None
+                    e, head = head, next(ordered, None)
+                    if id(e) not in protected and leaf_now(e):
+                        cand = e
+                elif src == 1:
+                    item = heapq.heappop(heap)
+                    e = item[2]
+                    if item[1] != e.heaped:
+                        continue  # stale (touched, pinned, gained a child, or gone since)
+                    if id(e) in protected or not leaf_now(e):
+                        aside.append(item)
+                        continue
+                    put_back.append(item)
+                    cand = e
+                else:
                     _, _, e = heapq.heappop(local)
-                    self.examined += 1
                     if id(e) not in chosen and id(e) not in protected and leaf_now(e):
                         cand = e
-                    continue
-                item = heapq.heappop(heap)
-                self.examined += 1
-                e = item[2]
-                if item[1] != e.heaped:
-                    continue  # stale (touched, re-pushed, or gone since)
-                if id(e) in chosen or not leaf_now(e):
-                    # Not evictable whatever this plan does: dropped for good;
-                    # the transition that makes it evictable pushes it again.
-                    e.heaped = 0
-                    continue
-                if id(e) in protected:
-                    aside.append(item)
-                    continue
-                put_back.append(item)
-                cand = e
             if cand is None:
                 for v in reversed(victims):
                     self._alloc.reserve(v.extent)
@@ -532,6 +554,7 @@ class Index:
                 entries.append(e)
             for e in entries:
                 e.pins += 1
+                self._untrack(e)
             return entries
 
     def complete_restore(
@@ -556,7 +579,6 @@ class Index:
                     if e.visible:
                         self._clock += 1
                         e.last_use = self._clock
-                        e.heaped = 0
             self._announce("REMOVED", Removal.INTEGRITY, bad)
             self._announce("REMOVED", Removal.RELEASED, released)
             for e in entries:
@@ -591,37 +613,47 @@ class Index:
 
     def _use(self, e: Entry) -> None:
         """Make a visible READY entry the most recently used (lock held)."""
+        self._untrack(e)
         self._clock += 1
         e.last_use = self._clock
-        e.heaped = 0  # its heap item (if any) has the old stamp: stale now
         self._consider(e)
 
     def _evictable(self, e: Entry) -> bool:
         return e.visible and e.pins == 0 and not e.children
 
+    def _untrack(self, e: Entry) -> None:
+        """Forget ``e`` as an eviction candidate (it stops being an evictable
+        leaf, or its stamp changes). O(1)."""
+        if e.tracked == _ORDERED:
+            del self._leaves[e.key]
+        elif e.tracked == _HEAP:
+            e.heaped = 0  # its item is stale from now on
+            self._heap_live -= 1
+        e.tracked = _UNTRACKED
+
     def _consider(self, e: Entry) -> None:
-        """Push ``e`` on the eviction heap if it is an evictable leaf without
-        a current item. Called at every transition that can make it one."""
-        if e.heaped == 0 and self._evictable(e):
-            e.heaped = next(self._seq)
-            heapq.heappush(self._heap, (e.last_use, e.heaped, e))
-            if len(self._heap) > 2 * len(self._ready) + 64:
-                self._compact()
+        """Track ``e`` if it is an evictable leaf and not tracked yet. Called
+        at every transition that can make it one. O(1), or O(log N) for a
+        leaf at an older stamp than the newest one tracked in order."""
+        if e.tracked != _UNTRACKED or not self._evictable(e):
+            return
+        if e.last_use > self._last_appended:
+            self._leaves[e.key] = e
+            self._last_appended = e.last_use
+            e.tracked = _ORDERED
+            return
+        e.heaped = next(self._seq)
+        e.tracked = _HEAP
+        self._heap_live += 1
+        heapq.heappush(self._heap, (e.last_use, e.heaped, e))
+        if len(self._heap) > 2 * self._heap_live + 64:
+            self._compact()
 
     def _compact(self) -> None:
-        """Drop stale items (more than half the heap): O(heap), amortised
-        O(1) per push."""
-        keep: list[_HeapItem] = []
-        for item in self._heap:
-            e = item[2]
-            if item[1] != e.heaped:
-                continue
-            if self._evictable(e):
-                keep.append(item)
-            else:
-                e.heaped = 0
-        heapq.heapify(keep)
-        self._heap = keep
+        """Drop stale heap items (more than half): O(heap), amortised O(1)
+        per push."""
+        self._heap = [item for item in self._heap if item[1] == item[2].heaped]
+        heapq.heapify(self._heap)
 
     def _remove(
         self,
@@ -650,6 +682,7 @@ class Index:
         while stack:
             x = stack.pop()
             out.append(x)
+            self._untrack(x)
             x.removed = True
             self._map.pop(x.key, None)
             self._ready.pop(x.key, None)
@@ -700,13 +733,23 @@ class Index:
             stamps = [e.last_use for e in self._ready.values()]
             if len(set(stamps)) != len(stamps) or any(s <= 0 for s in stamps):
                 raise AssertionError("recency stamps are not distinct")
-            # Every evictable leaf has a current heap item with its stamp.
+            # Every evictable leaf is tracked exactly once, and nothing else is.
             current = {item[1]: item for item in self._heap if item[1] == item[2].heaped}
+            if len(current) != self._heap_live:
+                raise AssertionError("heap live count")
+            order = [e.last_use for e in self._leaves.values()]
+            if order != sorted(order) or (order and order[-1] > self._last_appended):
+                raise AssertionError("ordered leaves out of stamp order")
+            for k, e in self._leaves.items():
+                if e.key != k or e.tracked != _ORDERED or not self._evictable(e):
+                    raise AssertionError("ordered leaf is not an evictable leaf")
+            for item in current.values():
+                e = item[2]
+                if e.tracked != _HEAP or item[0] != e.last_use or not self._evictable(e):
+                    raise AssertionError("heap item is not a current evictable leaf")
             for e in live:
-                if self._evictable(e):
-                    item = current.get(e.heaped)
-                    if item is None or item[2] is not e or item[0] != e.last_use:
-                        raise AssertionError("evictable leaf missing from the eviction heap")
+                if self._evictable(e) and e.tracked == _UNTRACKED:
+                    raise AssertionError("evictable leaf not tracked")
             # Slots: visible/pending holders, new entries of open plans (even if
             # dropped meanwhile: still being written) and holds never overlap;
             # a doomed victim's bytes are covered by its plan's slots and holds.
