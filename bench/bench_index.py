@@ -16,12 +16,12 @@ for the whole call. Workloads, each on a fresh index filled to capacity:
 2. N/8 chains of 8 blocks, half of them touched in random order (stale
    heap items behind), then the same stores;
 3. the 4,096-block store of (1) aborted: every victim reinstated;
-4. worst case for the lazy heap: every chain touched once (N/8 stale items
-   older than any victim), then a 4,096-block store.
+4. then every chain of (2) touched once more, in random order, and a
+   4,096-block store (touches must leave nothing for the planner to skip).
 
-"examined" is the number of heap items the planner looked at (the old
-planner rescanned the LRU from the oldest block for every victim: for a
-chain of N that is about victims x N). Prints a markdown table, last.
+"examined" is the number of candidate entries the planner looked at (the
+old planner rescanned the LRU from the oldest block for every victim: for a
+chain of N blocks that is about victims x N). Prints a markdown table, last.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         idx.touch(NS, T_FILL, c)
     for k in sizes:
         rows.store(idx, "chains of 8, half touched", k)
-    step("touch storm: every chain touched once")
+    step("every chain touched once more")
     rng.shuffle(chains)
     for c in chains:
         idx.touch(NS, T_FILL, c)

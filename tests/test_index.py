@@ -1059,6 +1059,29 @@ def test_many_short_chains_examine_a_few_items_per_victim() -> None:
         idx.check_invariants()
 
 
+def test_bench_index_runs_and_prints_its_table() -> None:
+    """``make bench-index`` (small): it runs and reports; no speed is asserted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_index.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--blocks", "20000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "## kvseal trusted-index eviction benchmark" in lines
+    rows = [
+        line for line in lines if line.startswith("| one long chain") or line.startswith("| chains")
+    ]
+    assert len(rows) == 8
+    assert lines[-1].startswith("| chains of 8, all touched since | ")
+
+
 # ================================================================ state machine
 
 HASHES = [h(f"k{i}") for i in range(8)]

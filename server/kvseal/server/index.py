@@ -323,11 +323,12 @@ class Index:
         free their extents in the allocator. On CapacityExhausted nothing has
         changed (the extents are reserved again, the heap items put back).
 
-        The choice is the greedy one: repeatedly the least recently used
-        entry that is visible READY, unpinned, not ``protected`` and has no
-        children other than victims already chosen. Candidates come from
-        the heap of evictable leaves, merged with a local heap of parents
-        whose last child was just chosen."""
+        The choice is the old definition, exactly: repeatedly the least
+        recently used entry that is visible READY, unpinned, not
+        ``protected`` and has no children other than victims already chosen.
+        Candidates come, in stamp order, from the ordered leaves, the heap of
+        older leaves, and a local heap of parents whose last child was just
+        chosen (each such parent enters at its own recency)."""
         if n == 0:
             return []
         need = align_up(size)
