@@ -9,12 +9,12 @@ the index against it after every step.
 from __future__ import annotations
 
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -23,8 +23,8 @@ from hypothesis.stateful import (
     rule,
 )
 from kvseal.server.errors import BlockNotPresent, CapacityExhausted
-from kvseal.server.hostregion import SLOT_ALIGN
-from kvseal.server.index import Entry, Index, State, StoreOutcome
+from kvseal.server.hostregion import SLOT_ALIGN, Extent
+from kvseal.server.index import Entry, Index, Removal, State, StoreOutcome, StorePlan
 from kvseal.server.sealing import SealRecord
 
 NS = b"N" * 32
@@ -85,7 +85,8 @@ def names_of(entries: Sequence[Entry]) -> list[str]:
 
 
 def snapshot(idx: Index) -> tuple[object, ...]:
-    """Everything observable about an index, for before/after comparisons."""
+    """Everything observable about an index, for before/after comparisons
+    (not the eviction heap: stale items may be cleaned up at any time)."""
     with idx._lock:
         entries = tuple(
             (
@@ -94,6 +95,10 @@ def snapshot(idx: Index) -> tuple[object, ...]:
                 e.extent,
                 e.pins,
                 e.removed,
+                e.record,
+                e.generation,
+                e.last_use,
+                e.doomed_by is not None,
                 e.parent.key if e.parent else None,
                 tuple(sorted(c.key for c in e.children)),
             )
@@ -101,7 +106,7 @@ def snapshot(idx: Index) -> tuple[object, ...]:
         )
         return (
             entries,
-            tuple(idx._lru),
+            tuple(e.key for e in sorted(idx._ready.values(), key=lambda e: e.last_use)),
             tuple(idx._alloc._offsets),
             tuple(idx._alloc._sizes),
             idx._alloc.used,
@@ -161,7 +166,7 @@ def test_offload_of_present_block_is_already_present_and_touches() -> None:
     # a was touched (and protected): b, the oldest other leaf, made room.
     assert names_of(plan.evicted) == ["b"]
     idx.complete_store(plan.new, [record()])
-    assert list(idx._lru) == [(NS, T1, h(n)) for n in ("c", "a", "x")]
+    assert idx.lru_order() == [(NS, T1, h(n)) for n in ("c", "a", "x")]
     idx.check_invariants()
 
 
@@ -210,8 +215,9 @@ def test_eviction_of_several_leaves_in_one_plan() -> None:
     plan = idx.begin_store(NS, T1, None, [h("X"), h("Y")], BLOCK)
     # C is the oldest leaf; then B becomes one (older than D).
     assert names_of(plan.evicted) == ["C", "B"]
-    assert names_of(freed.calls) == ["C", "B"]
+    assert freed.calls == []  # only doomed until the store succeeds
     idx.complete_store(plan.new, [record(), record()])
+    assert names_of(freed.calls) == ["C", "B"]
     assert states(idx, ["A", "B", "C", "D", "X", "Y"]) == [
         State.READY,
         State.ABSENT,
@@ -329,6 +335,25 @@ def test_drop_cascades_to_descendants() -> None:
     assert idx._map[(NS, T1, h("A"))].children == set()
     assert idx.stats().used_bytes == 2 * BLOCK
     assert idx.drop(NS, T1, [h("B"), h("nothing")]) == []
+    idx.check_invariants()
+
+
+def test_drop_of_a_chain_far_deeper_than_the_recursion_limit() -> None:
+    n = 20_000
+    idx, freed = make(n)
+    chain = [i.to_bytes(32, "big") for i in range(n)]
+    plan = idx.begin_store(NS, T1, None, chain, BLOCK)
+    idx.complete_store(plan.new, [record() for _ in plan.new])
+    removed = idx.drop(NS, T1, [chain[0]])
+    assert removed == plan.new  # the whole chain, root first
+    assert freed.calls == plan.new[::-1]  # leaves first, as the recursive walk freed them
+    assert idx.stats().used_bytes == 0
+    # The same depth through a failed store and through an aborted one.
+    plan = idx.begin_store(NS, T1, None, chain, BLOCK)
+    idx.complete_store(plan.new, [None] * n)
+    plan = idx.begin_store(NS, T1, None, chain, BLOCK)
+    idx.abort_store(plan, set(range(n)))
+    assert idx.stats().used_bytes == 0
     idx.check_invariants()
 
 
@@ -575,10 +600,13 @@ def test_mixed_block_sizes_stay_consistent_and_atomic(
             except CapacityExhausted:
                 assert snapshot(idx) == before
                 continue
+            victims = set(plan.evicted)
             for v in plan.evicted:
-                assert v.pins == 0 and not v.children and v.removed
+                assert v.pins == 0 and not (v.children - victims) and v.doomed_by is not None
+            idx.check_invariants()
             made.extend(plan.new)
             idx.complete_store(plan.new, [record() for _ in plan.new])
+            assert all(v.removed and v.extent.size == 0 for v in plan.evicted)
         elif op == "pin":
             try:
                 pins.append(idx.begin_restore(ns, T1, hashes))
@@ -605,6 +633,455 @@ def test_mixed_block_sizes_stay_consistent_and_atomic(
     assert Counter(id(e) for e in freed.calls) == Counter(id(e) for e in made)
 
 
+# ================================================================ two-phase eviction
+
+
+class Events:
+    """The ``on_event`` callback: (kind, reason, block names) per call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Removal | None, list[str]]] = []
+
+    def __call__(self, kind: str, reason: Removal | None, entries: list[Entry]) -> None:
+        self.calls.append((kind, reason, names_of(entries)))
+
+    def removed(self) -> list[str]:
+        return [n for kind, _, names in self.calls if kind == "REMOVED" for n in names]
+
+
+def make_ev(blocks: int) -> tuple[Index, Freed, Events]:
+    freed, events = Freed(), Events()
+    return Index(blocks * BLOCK, on_free=freed, on_event=events), freed, events
+
+
+def keys(names: Sequence[str], tenant: bytes = T1, ns: bytes = NS) -> list[tuple[bytes, ...]]:
+    return [(ns, tenant, h(n)) for n in names]
+
+
+def test_doomed_victims_are_invisible_until_the_store_settles() -> None:
+    idx, freed, events = make_ev(4)
+    store(idx, ["A", "B"])  # chain A <- B
+    store(idx, ["C"])
+    store(idx, ["D"])
+    events.calls.clear()
+    plan = idx.begin_store(NS, T1, None, [h("X"), h("Y")], BLOCK)
+    assert names_of(plan.evicted) == ["B", "A"]
+    assert events.calls == [] and freed.calls == []  # doomed, not removed
+    assert idx.lookup(NS, T1, [h("A"), h("B"), h("C")]) == (
+        0,
+        [State.ABSENT, State.ABSENT, State.READY],
+    )
+    with pytest.raises(BlockNotPresent):
+        idx.begin_restore(NS, T1, [h("A")])
+    assert idx.touch(NS, T1, [h("A"), h("B"), h("C")]) == 1
+    again = idx.begin_store(NS, T1, None, [h("A")], BLOCK)  # no duplicate of a doomed block
+    assert again.outcomes == [StoreOutcome.IN_PROGRESS] and again.new == []
+    assert idx.stats().ready == 2  # C, D
+    assert idx.drop(NS, T1, [h("B")]) == []  # only marked; announced when it settles
+    assert events.calls == []
+    idx.check_invariants()
+    idx.complete_store(plan.new, [record(), record()])
+    # Success: the victims leave for good, announced just before the STORED event.
+    assert events.calls == [
+        ("REMOVED", Removal.EVICTED, ["B", "A"]),
+        ("STORED", None, ["X", "Y"]),
+    ]
+    assert names_of(freed.calls) == ["B", "A"]
+    assert states(idx, ["A", "B", "X", "Y"]) == [State.ABSENT] * 2 + [State.READY] * 2
+    idx.check_invariants()
+
+
+def test_abort_with_nothing_written_reinstates_every_victim() -> None:
+    idx, freed, events = make_ev(6)
+    store(idx, ["A", "B", "C"])
+    store(idx, ["D"])
+    store(idx, ["E"])
+    store(idx, ["F"], "E")
+    idx.touch(NS, T1, [h("D")])
+    lru_before, snap_before = idx.lru_order(), snapshot(idx)
+    events.calls.clear()
+    plan = idx.begin_store(NS, T1, h("F"), [h("X"), h("Y"), h("Z")], BLOCK)
+    assert names_of(plan.evicted) == ["C", "B", "A"]
+    evicted, cascaded = idx.abort_store(plan, set())
+    assert evicted == [] and cascaded == []
+    assert events.removed() == [] and events.calls == [] and freed.calls == []
+    # Exactly as before: same lookups, LRU order, slots, records, links, stamps.
+    assert idx.lru_order() == lru_before
+    assert snapshot(idx)[:-1] == snap_before[:-1]  # all but the generation counter
+    assert idx.lookup(NS, T1, [h(n) for n in "ABCDEF"])[0] == 6
+    assert states(idx, ["X", "Y", "Z"]) == [State.ABSENT] * 3
+    idx.check_invariants()
+    # ...and evicted in the same order again afterwards.
+    assert names_of(store(idx, ["X", "Y", "Z"], "F")) == ["C", "B", "A"]
+
+
+def test_abort_removes_exactly_the_victims_whose_bytes_were_written() -> None:
+    idx, freed, events = make_ev(4)
+    for n in "ABCD":
+        store(idx, [n])
+    events.calls.clear()
+    plan = idx.begin_store(NS, T1, None, [h("X"), h("Y")], BLOCK)
+    a, b = plan.evicted
+    assert names_of([a, b]) == ["A", "B"]
+    y = plan.new[1]
+    overwritten = a if a.extent == y.extent else b
+    kept = b if overwritten is a else a
+    evicted, cascaded = idx.abort_store(plan, {1})  # only Y's slot may have been written
+    assert evicted == [overwritten] and cascaded == []
+    assert events.calls == [("REMOVED", Removal.EVICTED, names_of([overwritten]))]
+    assert freed.calls == [overwritten]
+    assert states(idx, names_of([kept, overwritten])) == [State.READY, State.ABSENT]
+    assert idx.lru_order() == keys([*names_of([kept]), "C", "D"])
+    assert idx.stats().used_bytes == 3 * BLOCK
+    idx.check_invariants()
+
+
+def test_abort_takes_the_descendants_of_an_overwritten_victim() -> None:
+    idx, _, events = make_ev(4)
+    store(idx, ["A", "B"])
+    store(idx, ["C"])
+    store(idx, ["D"])
+    plan = idx.begin_store(NS, T1, None, [h("X"), h("Y")], BLOCK)
+    b, a = plan.evicted
+    assert names_of([b, a]) == ["B", "A"]
+    events.calls.clear()
+    pos_a = next(i for i, e in enumerate(plan.new) if e.extent == a.extent)
+    evicted, _ = idx.abort_store(plan, {pos_a})
+    # A's bytes are gone; B (a leaf under A) would be an orphan: it goes too.
+    assert set(evicted) == {a, b}
+    assert sorted(events.removed()) == ["A", "B"]
+    assert states(idx, ["A", "B", "C", "D"]) == [State.ABSENT] * 2 + [State.READY] * 2
+    idx.check_invariants()
+    # The other way round: B overwritten, A reinstated as a leaf.
+    store(idx, ["A", "B"])
+    plan = idx.begin_store(NS, T1, None, [h("X"), h("Y")], BLOCK)
+    assert names_of(plan.evicted) == ["C", "D"]  # older than the new chain
+    idx.abort_store(plan, set())
+    idx.touch(NS, T1, [h("C"), h("D")])
+    plan = idx.begin_store(NS, T1, None, [h("X"), h("Y")], BLOCK)
+    b, a = plan.evicted
+    pos_b = next(i for i, e in enumerate(plan.new) if e.extent == b.extent)
+    evicted, _ = idx.abort_store(plan, {pos_b})
+    assert evicted == [b]
+    assert states(idx, ["A", "B"]) == [State.READY, State.ABSENT]
+    assert a.children == set()
+    assert names_of(store(idx, ["X", "Y"])) == ["A"]  # a leaf again, at its own recency
+    idx.check_invariants()
+
+
+def test_abort_of_a_dropped_victim_removes_it_and_announces_the_drop() -> None:
+    idx, freed, events = make_ev(3)
+    for n in "ABC":
+        store(idx, [n])
+    plan = idx.begin_store(NS, T1, None, [h("X")], BLOCK)
+    assert names_of(plan.evicted) == ["A"]
+    # A is only marked (not returned); the pending X goes at once.
+    assert sorted(names_of(idx.drop(NS, T1, None))) == ["B", "C", "X"]
+    events.calls.clear()
+    idx.abort_store(plan, set())
+    assert events.calls == [("REMOVED", Removal.DROPPED, ["A"])]
+    assert states(idx, ["A", "B", "C", "X"]) == [State.ABSENT] * 4
+    assert idx.stats().used_bytes == 0
+    assert sorted(names_of(freed.calls)) == ["A", "B", "C"]
+    idx.check_invariants()
+
+
+def test_abort_discards_new_blocks_and_descendants_linked_under_them() -> None:
+    idx, _, events = make_ev(4)
+    plan = idx.begin_store(NS, T1, None, [h("A")], BLOCK)
+    store(idx, ["B"], "A")  # another request links READY B under the pending A
+    events.calls.clear()
+    evicted, cascaded = idx.abort_store(plan, {0})
+    assert evicted == [] and names_of(cascaded) == ["B"]
+    assert events.calls == [("REMOVED", Removal.DROPPED, ["B"])]
+    assert states(idx, ["A", "B"]) == [State.ABSENT] * 2
+    assert idx.stats().used_bytes == 0
+    with pytest.raises(ValueError):
+        idx.abort_store(plan, {1})
+    idx.check_invariants()
+
+
+def test_complete_store_with_a_failed_block_keeps_untouched_victims() -> None:
+    """A ``None`` record is a failure whose extent of writing is unknown:
+    every victim overlapping a new slot leaves, the others come back."""
+    idx, _, events = make_ev(4)
+    for n in "ABCD":
+        store(idx, [n])
+    plan = idx.begin_store(NS, T1, None, [h("X"), h("Y")], BLOCK)
+    events.calls.clear()
+    idx.complete_store(plan.new, [record(), None])
+    assert events.calls == [
+        ("REMOVED", Removal.EVICTED, ["A", "B"]),
+        ("STORED", None, ["X"]),
+    ]
+    assert states(idx, ["A", "B", "C", "D", "X", "Y"]) == [State.ABSENT] * 2 + [State.READY] * 3 + [
+        State.ABSENT
+    ]
+    idx.check_invariants()
+
+
+def test_concurrent_store_cannot_take_a_doomed_victims_bytes() -> None:
+    """A 3-slot victim makes room for a 1-slot block: the 2 slots left over
+    stay held for the victim, so a second store evicts elsewhere instead of
+    landing on bytes an abort gives back."""
+    idx, _, _ = make_ev(5)
+    big = 3 * BLOCK
+    plan_g = idx.begin_store(NS2, T1, None, [h("G")], big)
+    idx.complete_store(plan_g.new, [record()])
+    store(idx, ["a"])
+    store(idx, ["b"])
+    g = plan_g.new[0]
+    p1 = idx.begin_store(NS, T1, None, [h("x")], BLOCK)
+    assert p1.evicted == [g]
+    assert idx.stats().used_bytes == 5 * BLOCK  # x + 2 held slots + a + b
+    idx.check_invariants()
+    p2 = idx.begin_store(NS, T1, None, [h("y")], BLOCK)
+    assert names_of(p2.evicted) == ["a"]
+    g_lo, g_hi = g.extent.offset, g.extent.offset + g.extent.size
+    assert not g_lo <= p2.new[0].extent.offset < g_hi
+    with pytest.raises(CapacityExhausted):  # b is the last evictable leaf; y's plan is open
+        idx.begin_store(NS, T1, None, [h("z"), h("w")], BLOCK)
+    idx.abort_store(p1, set())
+    assert states(idx, ["G"], ns=NS2) == [State.READY]
+    assert g.extent.size == big
+    idx.complete_store(p2.new, [record()])
+    assert states(idx, ["a", "b", "x", "y"]) == [
+        State.ABSENT,
+        State.READY,
+        State.ABSENT,
+        State.READY,
+    ]
+    assert idx.stats().used_bytes == 5 * BLOCK
+    idx.check_invariants()
+    # The same store succeeding: G leaves, its 2 held slots are free again.
+    p3 = idx.begin_store(NS, T1, None, [h("x")], BLOCK)
+    assert p3.evicted == [g]
+    idx.complete_store(p3.new, [record()])
+    assert idx.stats().used_bytes == 3 * BLOCK
+    idx.check_invariants()
+
+
+def test_allocator_reserve_and_fit_counts() -> None:
+    from kvseal.server.hostregion import ExtentAllocator, RegionError
+
+    alloc = ExtentAllocator(10 * BLOCK)
+    assert alloc.fits(BLOCK) == 10 and alloc.fits(3 * BLOCK) == 3
+    x = alloc.allocate(4 * BLOCK)
+    assert x is not None
+    alloc.reserve(Extent(6 * BLOCK, BLOCK))  # splits the free run [4, 10) into [4, 6) + [7, 10)
+    assert (alloc._offsets, alloc._sizes) == ([4 * BLOCK, 7 * BLOCK], [2 * BLOCK, 3 * BLOCK])
+    assert alloc.fits(BLOCK) == 5 and alloc.fits(3 * BLOCK) == 1 and alloc.fits(2 * BLOCK) == 2
+    with pytest.raises(RegionError):
+        alloc.reserve(Extent(5 * BLOCK, 2 * BLOCK))  # slot 6 is taken
+    assert alloc.used == 5 * BLOCK
+    alloc.free(Extent(6 * BLOCK, BLOCK))
+    alloc.free(x)
+    assert (alloc._offsets, alloc._sizes) == ([0], [10 * BLOCK])
+    assert alloc.fits(BLOCK) == 10 and alloc.fits(3 * BLOCK) == 3 and alloc.fits(2 * BLOCK) == 5
+
+
+# ================================================================ eviction cost
+
+
+def old_plan(idx: Index, n: int, size: int, protected: set[int]) -> tuple[list[Entry] | None, int]:
+    """The eviction planner as it was before the heap (the definition the
+    heap must reproduce): rescan the LRU from the oldest for the first
+    unchosen, unprotected, unpinned entry without live children, until a
+    scratch allocator can place the new blocks. Returns (victims or None
+    when they cannot fit, LRU entries examined)."""
+    sizes = [size] * n
+    if idx._alloc.can_allocate_all(sizes):
+        return [], 0
+    if size > idx._alloc.capacity:
+        return None, 0
+    lru = [idx._map[k] for k in idx.lru_order()]
+    sim = idx._alloc.clone()
+    victims: list[Entry] = []
+    chosen: set[int] = set()
+    gone: dict[int, int] = {}
+    examined = 0
+    while True:
+        cand = None
+        for e in lru:
+            examined += 1
+            if id(e) in chosen or id(e) in protected or e.pins:
+                continue
+            if len(e.children) - gone.get(id(e), 0) > 0:
+                continue
+            cand = e
+            break
+        if cand is None:
+            return None, examined
+        victims.append(cand)
+        chosen.add(id(cand))
+        if cand.parent is not None:
+            gone[id(cand.parent)] = gone.get(id(cand.parent), 0) + 1
+        sim.free(cand.extent)
+        if sim.free_bytes() >= sum(sizes) and sim.can_allocate_all(sizes):
+            return victims, examined
+
+
+def protected_ids(idx: Index, ns: bytes, parent: bytes | None, hashes: Sequence[bytes]) -> set[int]:
+    found = [idx._map.get((ns, T1, x)) for x in [*hashes, *([parent] if parent else [])]]
+    return {id(e) for e in found if e is not None}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_victims_are_the_old_definitions_on_random_workloads(seed: int) -> None:
+    """Random workloads (seeded): chains, two block sizes (fragmentation),
+    pins, write-back releases, drops, touches, and stores left in flight then
+    completed or aborted. Every plan's victims are exactly what the old
+    planner picks on the same state, in the same order; a refusal is refused
+    by both."""
+    import random
+
+    rng = random.Random(seed)
+    sizes = {NS: BLOCK, NS2: 3 * BLOCK - 7}
+    idx = Index(10 * BLOCK)
+    pins: list[list[Entry]] = []
+    open_plans: list[StorePlan] = []
+    with_victims = refused = 0
+    for _ in range(400):
+        op = rng.choice(["store"] * 4 + ["begin", "settle", "pin", "unpin", "drop", "touch"])
+        ns = rng.choice([NS, NS, NS2])
+        hashes = [h(f"m{k}") for k in rng.sample(range(14), rng.randint(1, 4))]
+        parent = h(f"m{rng.randrange(14)}") if rng.random() < 0.6 else None
+        if op in ("store", "begin") and len(open_plans) < 2:
+            n_new = sum(1 for x in hashes if (ns, T1, x) not in idx._map)
+            exp, _ = old_plan(idx, n_new, sizes[ns], protected_ids(idx, ns, parent, hashes))
+            try:
+                plan = idx.begin_store(ns, T1, parent, hashes, sizes[ns])
+            except CapacityExhausted:
+                assert exp is None
+                refused += 1
+                continue
+            assert exp is not None and [id(e) for e in plan.evicted] == [id(e) for e in exp]
+            with_victims += bool(exp)
+            if op == "store":
+                idx.complete_store(plan.new, [record() for _ in plan.new])
+            else:
+                open_plans.append(plan)
+        elif op == "settle" and open_plans:
+            plan = open_plans.pop(rng.randrange(len(open_plans)))
+            if rng.random() < 0.4:
+                idx.complete_store(plan.new, [record() for _ in plan.new])
+            else:
+                written = {i for i in range(len(plan.new)) if rng.random() < 0.5}
+                idx.abort_store(plan, written)
+        elif op == "pin" and len(pins) < 3:
+            try:
+                pins.append(idx.begin_restore(ns, T1, hashes))
+            except BlockNotPresent:
+                pass
+        elif op == "unpin" and pins:
+            idx.complete_restore(pins.pop(rng.randrange(len(pins))), release=rng.random() < 0.3)
+        elif op == "drop" and rng.random() < 0.5:
+            idx.drop(ns, T1, hashes)
+        elif op == "touch":
+            idx.touch(ns, T1, hashes)
+        idx.check_invariants()
+    assert with_victims > 20  # the workload really exercised eviction
+    assert refused > 0
+
+
+def chain_hashes(n: int, tag: bytes) -> list[bytes]:
+    return [tag + i.to_bytes(32 - len(tag), "big") for i in range(n)]
+
+
+def test_old_planner_examined_count_is_quadratic_and_the_heap_is_not() -> None:
+    """On a 2,000-block chain evicting 100 the old planner rescans the LRU
+    from the oldest block for every victim: sum(2000 - i) entries; the heap
+    looks at one item per victim. (The same formula gives 401,213,440 for
+    the issue's 100,000-block chain evicting 4,096.)"""
+    chain, k = 2000, 100
+    idx = Index(chain * BLOCK)
+    plan = idx.begin_store(NS, T1, None, chain_hashes(chain, b"c"), BLOCK)
+    idx.complete_store(plan.new, [record() for _ in plan.new])
+    new = chain_hashes(k, b"n")
+    victims, old_examined = old_plan(idx, k, BLOCK, set())
+    assert old_examined == sum(chain - i for i in range(k)) == 195_050
+    before = idx.examined
+    plan = idx.begin_store(NS, T1, None, new, BLOCK)
+    assert plan.evicted == victims
+    assert idx.examined - before <= 2 * k
+
+
+def test_long_chain_evicting_4096_examines_a_few_items_per_victim() -> None:
+    """The issue's case: one chain of 100,000 blocks and a store that
+    evicts 4,096 of them (the old planner: ~4e8 entries examined, 317 s
+    under the lock)."""
+    chain, k = 100_000, 4096
+    idx = Index(chain * BLOCK)
+    hashes = chain_hashes(chain, b"c")
+    plan = idx.begin_store(NS, T1, None, hashes, BLOCK)
+    chain_entries = plan.new
+    idx.complete_store(plan.new, [record() for _ in plan.new])
+    before = idx.examined
+    plan = idx.begin_store(NS, T2, None, chain_hashes(k, b"n"), BLOCK)
+    examined = idx.examined - before
+    # Leaf first: the chain's tail, newest block first.
+    assert plan.evicted == chain_entries[::-1][:k]
+    assert examined <= 2 * k, examined
+    old = sum(chain - i for i in range(k))
+    assert old == 401_213_440 and examined * 50_000 < old
+    idx.complete_store(plan.new, [record() for _ in plan.new])
+    assert idx.lookup(NS, T1, hashes)[0] == chain - k
+
+
+def test_many_short_chains_examine_a_few_items_per_victim() -> None:
+    """4,000 chains of 5 blocks, half of them touched in random order and
+    then all of them (touches must leave nothing stale behind): each
+    2,048-block eviction looks at a couple of entries per victim, never a
+    rescan of the cache, and picks what the old planner picks."""
+    import random
+
+    rng = random.Random(7)
+    n_chains, length, k = 4_000, 5, 2048
+    idx = Index(n_chains * length * BLOCK)
+    chains = [chain_hashes(length, b"s" + i.to_bytes(3, "big")) for i in range(n_chains)]
+    for c in chains:
+        plan = idx.begin_store(NS, T1, None, c, BLOCK)
+        idx.complete_store(plan.new, [record() for _ in plan.new])
+    for rnd, touched in enumerate([rng.sample(chains, n_chains // 2), chains]):
+        rng.shuffle(touched)
+        for c in touched:
+            idx.touch(NS, T1, c)
+        exp, old_examined = old_plan(idx, k, BLOCK, set())
+        before = idx.examined
+        plan = idx.begin_store(NS, T2, None, chain_hashes(k, bytes([b"n"[0] + rnd])), BLOCK)
+        examined = idx.examined - before
+        assert exp is not None and [id(e) for e in plan.evicted] == [id(e) for e in exp]
+        # One entry per victim from the ordered leaves or from the local heap
+        # of parents whose last child was chosen; the old planner rescanned.
+        assert examined <= 2 * k, examined
+        assert old_examined > 10 * examined
+        idx.complete_store(plan.new, [record() for _ in plan.new])
+        idx.check_invariants()
+
+
+def test_bench_index_runs_and_prints_its_table() -> None:
+    """``make bench-index`` (small): it runs and reports; no speed is asserted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_index.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--blocks", "20000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "## kvseal trusted-index eviction benchmark" in lines
+    rows = [
+        line for line in lines if line.startswith("| one long chain") or line.startswith("| chains")
+    ]
+    assert len(rows) == 8
+    assert lines[-1].startswith("| chains of 8, all touched since | ")
+
+
 # ================================================================ state machine
 
 HASHES = [h(f"k{i}") for i in range(8)]
@@ -628,21 +1105,40 @@ class MEntry:
     removed: bool = False
     sealing: bool = True
     has_record: bool = False
+    stamp: int = 0  # model recency
+    doomed: Batch | None = None  # victim of a store that has not settled
+    doom_why: Removal | None = None  # must go at settlement whatever happens
 
     @property
     def freed(self) -> bool:
         return self.removed and self.pins == 0 and not self.sealing
+
+    @property
+    def visible(self) -> bool:
+        return self.state is State.READY and self.doomed is None and not self.removed
+
+
+@dataclass(eq=False)
+class Batch:
+    """One begin_store the model is waiting to settle."""
+
+    plan: StorePlan
+    new: list[MEntry]
+    victims: list[MEntry]
+    victim_extents: list[Extent]  # as they were when doomed
 
 
 class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.frees: Counter[int] = Counter()
-        self.idx = Index(CAPACITY_BLOCKS * BLOCK + 17, on_free=self._on_free)
+        self.events: list[tuple[str, Removal | None, list[int]]] = []
+        self.idx = Index(CAPACITY_BLOCKS * BLOCK + 17, on_free=self._on_free, on_event=self._ev)
         self.model: dict[int, MEntry] = {}  # id(entry) -> model, every entry ever made
         self.live: dict[tuple[bytes, bytes], MEntry] = {}  # (tenant, hash) -> model
-        self.lru: OrderedDict[MEntry, None] = OrderedDict()
-        self.pending: list[list[MEntry]] = []
+        self.ready: set[MEntry] = set()  # visible READY; LRU order is by stamp
+        self.clock = itertools.count(1)
+        self.pending: list[Batch] = []
         self.restores: list[list[MEntry]] = []
 
     def _on_free(self, e: Entry) -> None:
@@ -651,13 +1147,28 @@ class IndexMachine(RuleBasedStateMachine):
         self.frees[id(e)] += 1
         assert id(e) in self.model or e.record is not None
 
+    def _ev(self, kind: str, reason: Removal | None, entries: list[Entry]) -> None:
+        self.events.append((kind, reason, [id(e) for e in entries]))
+
+    def take_events(self) -> tuple[set[int], set[tuple[Removal | None, int]]]:
+        """(STORED ids, {(reason, id)} REMOVED) since the last call."""
+        stored = {i for k, _, ids in self.events if k == "STORED" for i in ids}
+        removed = {(r, i) for k, r, ids in self.events if k == "REMOVED" for i in ids}
+        self.events.clear()
+        return stored, removed
+
     # ---------------------------------------------------------- model helpers
 
-    def m_remove(self, m: MEntry, *, cascade: bool, reparent: bool = False) -> list[MEntry]:
+    def use(self, m: MEntry) -> None:
+        m.stamp = next(self.clock)
+
+    def m_remove(
+        self, m: MEntry, *, cascade: bool, reparent: bool = False, why: Removal = Removal.DROPPED
+    ) -> list[MEntry]:
         out = [m]
         m.removed = True
         self.live.pop((m.tenant, m.hash), None)
-        self.lru.pop(m, None)
+        self.ready.discard(m)
         if m.parent is not None:
             m.parent.children.discard(m)
             m.parent = None
@@ -666,30 +1177,31 @@ class IndexMachine(RuleBasedStateMachine):
         for c in kids:
             c.parent = None
             if cascade and not reparent and not c.removed:
-                out.extend(self.m_remove(c, cascade=True))
+                if c.doomed is not None:
+                    c.doom_why = c.doom_why or why
+                else:
+                    out.extend(self.m_remove(c, cascade=True, why=why))
         return out
 
-    def evictable(self, m: MEntry, protected: set[MEntry]) -> bool:
-        return (
-            m.state is State.READY
-            and m.pins == 0
-            and m not in protected
-            and all(self.evictable(c, protected) for c in m.children)
-        )
+    def lru(self) -> list[MEntry]:
+        return sorted(self.ready, key=lambda m: m.stamp)
 
     def expected_victims(self, n_new: int, protected: set[MEntry]) -> list[MEntry] | None:
-        """The greedy LRU-leaf eviction on the model; None: cannot fit."""
-        used = sum(1 for m in self.model.values() if not m.freed)
+        """The greedy LRU-leaf eviction on the model; None: cannot fit. A
+        slot is in use while any unfreed entry holds it (a doomed victim
+        shares its slot with its plan's new block, or holds it alone)."""
+        used = len({m.entry.extent.offset for m in self.model.values() if not m.freed})
         free = CAPACITY_BLOCKS - used
         if free >= n_new:
             return []
         victims: list[MEntry] = []
         gone: set[MEntry] = set()
+        order = self.lru()
         while free < n_new:
             cand = next(
                 (
                     m
-                    for m in self.lru
+                    for m in order
                     if m not in gone
                     and m not in protected
                     and m.pins == 0
@@ -704,6 +1216,31 @@ class IndexMachine(RuleBasedStateMachine):
             free += 1
         return victims
 
+    def settle(self, batch: Batch, written: list[Extent] | None) -> set[tuple[Removal, int]]:
+        """The model of Index._settle; returns the expected REMOVED events."""
+        going: dict[MEntry, Removal] = {}
+        for v, ext in zip(reversed(batch.victims), reversed(batch.victim_extents), strict=True):
+            if written is None or any(w.offset == ext.offset for w in written):
+                going[v] = Removal.EVICTED
+            elif v.doom_why is not None:
+                going[v] = v.doom_why
+            elif v.parent is not None and v.parent in going:
+                going[v] = going[v.parent]
+        kept = len(batch.victims) - len(going)
+        event(
+            f"settled {'success' if written is None else 'failure'}: {len(going)} gone, {kept} kept"
+        )
+        if any(v.doom_why is not None for v in batch.victims):
+            event("a doomed victim was dropped before its store settled")
+        for v in batch.victims:
+            v.doomed = None
+            v.doom_why = None
+            if v in going:
+                self.m_remove(v, cascade=False)
+            else:
+                self.ready.add(v)  # at its own recency: the stamp never changed
+        return {(why, id(v.entry)) for v, why in going.items()}
+
     def ids(self, entries: Sequence[Entry]) -> list[MEntry]:
         return [self.model[id(e)] for e in entries]
 
@@ -712,9 +1249,9 @@ class IndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.pending) < 2)
     @rule(tenant=st.sampled_from(TENANTS), parent=PARENTS, hashes=STORE_HASHES)
     def begin_store(self, tenant: bytes, parent: bytes | None, hashes: list[bytes]) -> None:
-        """A store whose sealing is still running (completed by a later rule)."""
+        """A store whose sealing is still running (settled by a later rule)."""
         batch = self._begin_store(tenant, parent, hashes)
-        if batch:
+        if batch is not None:
             self.pending.append(batch)
 
     @rule(
@@ -728,12 +1265,26 @@ class IndexMachine(RuleBasedStateMachine):
     ) -> None:
         """The common case: begin_store and complete_store back to back."""
         batch = self._begin_store(tenant, parent, hashes)
-        if batch:
-            self._complete_store(batch, ok[: len(batch)])
+        if batch is not None:
+            self._complete_store(batch, ok[: len(batch.new)])
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        parent=PARENTS,
+        hashes=STORE_HASHES,
+        written=st.lists(st.booleans(), min_size=4, max_size=4),
+    )
+    def store_fails(
+        self, tenant: bytes, parent: bytes | None, hashes: list[bytes], written: list[bool]
+    ) -> None:
+        """begin_store then abort_store at once (the backend failed)."""
+        batch = self._begin_store(tenant, parent, hashes)
+        if batch is not None:
+            self._abort_store(batch, [i for i, w in enumerate(written[: len(batch.new)]) if w])
 
     def _begin_store(
         self, tenant: bytes, parent: bytes | None, hashes: list[bytes]
-    ) -> list[MEntry]:
+    ) -> Batch | None:
         existing = [self.live.get((tenant, x)) for x in hashes]
         parent0 = self.live.get((tenant, parent)) if parent else None
         protected = {m for m in existing if m is not None}
@@ -749,13 +1300,15 @@ class IndexMachine(RuleBasedStateMachine):
             assert expected is None, "refused although room could be made"
             assert snapshot(self.idx) == before, "a refused store changed the index"
             assert sum(self.frees.values()) == frees_before
-            return []
+            return None
         assert expected is not None, "accepted although nothing could be evicted"
+        assert self.events == [], "begin_store announced something"
+        assert sum(self.frees.values()) == frees_before, "a doomed victim was freed"
         exp_outcomes = [
             StoreOutcome.STORED
             if m is None
             else StoreOutcome.ALREADY_PRESENT
-            if m.state is State.READY
+            if m.visible
             else StoreOutcome.IN_PROGRESS
             for m in existing
         ]
@@ -763,54 +1316,94 @@ class IndexMachine(RuleBasedStateMachine):
         assert plan.new_positions == [i for i, m in enumerate(existing) if m is None]
         # Eviction: exactly the greedy choice; each victim a leaf, unpinned, READY.
         assert len(plan.evicted) == len(expected)
+        batch = Batch(plan, [], expected, [e.extent for e in plan.evicted])
         for e, m in zip(plan.evicted, expected, strict=True):
             assert self.model[id(e)] is m, "wrong victim (not the LRU leaf)"
-            assert m.pins == 0 and m.state is State.READY and not m.children
-            assert e.pins == 0
-            self.m_remove(m, cascade=False)
+            assert m.pins == 0 and m.state is State.READY and not (m.children - set(expected))
+            assert e.doomed_by is not None and not e.removed
+            m.doomed = batch
+            self.ready.discard(m)
         # New entries, linked like the index links them.
-        new_models: list[MEntry] = []
         for e, pos in zip(plan.new, plan.new_positions, strict=True):
             assert e.block_hash == hashes[pos] and e.state is State.PENDING
             m = MEntry(e, tenant, hashes[pos])
             self.model[id(e)] = m
             self.live[(tenant, hashes[pos])] = m
-            new_models.append(m)
+            batch.new.append(m)
         for i, x in enumerate(hashes):
             if exp_outcomes[i] is not StoreOutcome.STORED:
                 continue
             child = self.live[(tenant, x)]
             par = parent0 if i == 0 else self.live.get((tenant, hashes[i - 1]))
-            if par is not None and not par.removed:
+            if par is not None and not par.removed and par.doomed is None:
                 child.parent = par
                 par.children.add(child)
         for i, x in enumerate(hashes):
             if exp_outcomes[i] is StoreOutcome.ALREADY_PRESENT:
-                self.lru.move_to_end(self.live[(tenant, x)])
-        return new_models
+                self.use(self.live[(tenant, x)])
+        return batch if batch.new else None
 
     @precondition(lambda self: bool(self.pending))
     @rule(data=st.data())
     def complete_store(self, data: st.DataObject) -> None:
         batch = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
-        ok = data.draw(st.lists(st.booleans(), min_size=len(batch), max_size=len(batch)))
+        ok = data.draw(st.lists(st.booleans(), min_size=len(batch.new), max_size=len(batch.new)))
         self._complete_store(batch, ok)
 
-    def _complete_store(self, batch: list[MEntry], ok: list[bool]) -> None:
+    @precondition(lambda self: bool(self.pending))
+    @rule(data=st.data())
+    def abort_store(self, data: st.DataObject) -> None:
+        batch = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        n = len(batch.new)
+        written = data.draw(st.lists(st.integers(0, n - 1), max_size=n, unique=True))
+        self._abort_store(batch, written)
+
+    def _complete_store(self, batch: Batch, ok: list[bool]) -> None:
         records = [record() if good else None for good in ok]
-        self.idx.complete_store([m.entry for m in batch], records)
-        for m, good in zip(batch, ok, strict=True):
+        extents = [m.entry.extent for m in batch.new]
+        self.idx.complete_store([m.entry for m in batch.new], records)
+        stored: set[int] = set()
+        exp_removed: set[tuple[Removal | None, int]] = set()
+        for m, good in zip(batch.new, ok, strict=True):
             m.has_record = good
             if m.removed or not good:
                 if not m.removed:
-                    self.m_remove(m, cascade=True)
+                    cascade = self.m_remove(m, cascade=True)[1:]
+                    exp_removed |= {
+                        (Removal.DROPPED, id(c.entry)) for c in cascade if c.state is State.READY
+                    }
                 m.sealing = False
                 if good:
                     m.state = State.READY
                 continue
             m.sealing = False
             m.state = State.READY
-            self.lru[m] = None
+            self.use(m)
+            self.ready.add(m)
+            stored.add(id(m.entry))
+        exp_removed |= self.settle(batch, None if all(ok) else extents)
+        got_stored, got_removed = self.take_events()
+        assert got_stored == stored
+        assert got_removed == exp_removed
+
+    def _abort_store(self, batch: Batch, written: list[int]) -> None:
+        hit = [batch.new[i].entry.extent for i in written]
+        evicted, cascaded = self.idx.abort_store(batch.plan, set(written))
+        exp_cascade: list[MEntry] = []
+        for m in batch.new:
+            if not m.removed:
+                exp_cascade.extend(c for c in self.m_remove(m, cascade=True) if c not in batch.new)
+            m.sealing = False
+        exp_removed = self.settle(batch, hit)
+        assert {id(e) for e in evicted} == {i for _, i in exp_removed}
+        assert len(evicted) == len(exp_removed)
+        assert set(self.ids(cascaded)) == set(exp_cascade)
+        exp_removed |= {
+            (Removal.DROPPED, id(c.entry)) for c in exp_cascade if c.state is State.READY
+        }
+        got_stored, got_removed = self.take_events()
+        assert got_stored == set()
+        assert got_removed == exp_removed
 
     @precondition(lambda self: len(self.restores) < 3)
     @rule(
@@ -818,22 +1411,22 @@ class IndexMachine(RuleBasedStateMachine):
         hashes=st.lists(st.sampled_from(HASHES), min_size=1, max_size=4, unique=True),
     )
     def begin_restore(self, tenant: bytes, hashes: list[bytes]) -> None:
-        """A restore of arbitrary hashes (mostly refused: absent or pending)."""
+        """A restore of arbitrary hashes (mostly refused: absent, pending or doomed)."""
         self._begin_restore(tenant, hashes)
 
-    @precondition(lambda self: len(self.restores) < 3 and bool(self.lru))
+    @precondition(lambda self: len(self.restores) < 3 and bool(self.ready))
     @rule(data=st.data())
     def restore_present(self, data: st.DataObject) -> None:
-        """A restore of blocks that are READY (a lookup hit): pins them."""
-        m0 = data.draw(st.sampled_from(list(self.lru)))
-        ready = sorted(m.hash for m in self.lru if m.tenant == m0.tenant)
+        """A restore of blocks that are visible READY (a lookup hit): pins them."""
+        m0 = data.draw(st.sampled_from(self.lru()))
+        ready = sorted(m.hash for m in self.ready if m.tenant == m0.tenant)
         more = data.draw(st.lists(st.sampled_from(ready), max_size=3, unique=True))
         self._begin_restore(m0.tenant, [m0.hash, *(x for x in more if x != m0.hash)])
 
     def _begin_restore(self, tenant: bytes, hashes: list[bytes]) -> None:
         ms = [self.live.get((tenant, x)) for x in hashes]
         before = snapshot(self.idx)
-        if any(m is None or m.state is not State.READY for m in ms):
+        if any(m is None or not m.visible for m in ms):
             with pytest.raises(BlockNotPresent):
                 self.idx.begin_restore(NS, tenant, hashes)
             assert snapshot(self.idx) == before
@@ -856,7 +1449,7 @@ class IndexMachine(RuleBasedStateMachine):
         exp_bad: list[MEntry] = []
         for m in failed:
             if not m.removed:
-                exp_bad.extend(self.m_remove(m, cascade=True))
+                exp_bad.extend(self.m_remove(m, cascade=True, why=Removal.INTEGRITY))
         exp_rel: list[MEntry] = []
         failed_set = set(failed)
         if release:
@@ -865,14 +1458,15 @@ class IndexMachine(RuleBasedStateMachine):
                     exp_rel.extend(self.m_remove(m, cascade=False, reparent=True))
         else:
             for m in batch:
-                if not m.removed and m in self.lru:
-                    self.lru.move_to_end(m)
+                if m.visible:
+                    self.use(m)
         for m in batch:
             m.pins -= 1
         assert set(self.ids(released)) == set(exp_rel)
         assert len(released) == len(exp_rel)
         assert set(self.ids(bad)) == set(exp_bad)
         assert len(bad) == len(exp_bad)
+        self.events.clear()
 
     @rule(
         tenant=st.sampled_from(TENANTS),
@@ -885,11 +1479,45 @@ class IndexMachine(RuleBasedStateMachine):
             targets = [m for x in hashes if (m := self.live.get((tenant, x))) is not None]
         exp: list[MEntry] = []
         for m in targets:
-            if not m.removed:
+            if m.doomed is not None:
+                m.doom_why = m.doom_why or Removal.DROPPED  # marked, not removed yet
+            elif not m.removed:
                 exp.extend(self.m_remove(m, cascade=True))
         removed = self.idx.drop(NS, tenant, hashes)
         assert set(self.ids(removed)) == set(exp)
         assert len(removed) == len(exp)
+        _, got_removed = self.take_events()
+        assert got_removed == {
+            (Removal.DROPPED, id(m.entry)) for m in exp if m.state is State.READY
+        }
+
+    def doomed(self) -> list[MEntry]:
+        return sorted(
+            (m for b in self.pending for m in b.victims if not m.removed),
+            key=lambda m: m.stamp,
+        )
+
+    @precondition(lambda self: bool(self.doomed()))
+    @rule(data=st.data())
+    def poke_doomed(self, data: st.DataObject) -> None:
+        """Aim at a victim of a store in flight: it is invisible to lookup,
+        restore and touch, a store of it is IN_PROGRESS, a drop (of it, of
+        its tenant, or of an ancestor) only marks it."""
+        m = data.draw(st.sampled_from(self.doomed()))
+        what = data.draw(st.sampled_from(["drop", "drop_parent", "drop_all", "probe"]))
+        if what == "probe":
+            self.lookup(m.tenant, [m.hash])
+            self.touch(m.tenant, [m.hash])
+            self._begin_restore(m.tenant, [m.hash])
+            if len(self.pending) < 2:
+                self.begin_store(m.tenant, None, [m.hash])
+            return
+        if what == "drop_parent" and m.parent is not None:
+            self.drop(m.tenant, [m.parent.hash])
+        else:
+            self.drop(m.tenant, None if what == "drop_all" else [m.hash])
+        # Marked to go: it, or the doomed parent it will follow.
+        assert m.doom_why is not None or (m.parent is not None and m.parent.doom_why is not None)
 
     @rule(
         tenant=st.sampled_from(TENANTS),
@@ -899,8 +1527,8 @@ class IndexMachine(RuleBasedStateMachine):
         n = 0
         for x in hashes:
             m = self.live.get((tenant, x))
-            if m is not None and m in self.lru:
-                self.lru.move_to_end(m)
+            if m is not None and m.visible:
+                self.use(m)
                 n += 1
         assert self.idx.touch(NS, tenant, hashes) == n
 
@@ -909,15 +1537,18 @@ class IndexMachine(RuleBasedStateMachine):
         hashes=st.lists(st.sampled_from(HASHES), min_size=1, max_size=6),
     )
     def lookup(self, tenant: bytes, hashes: list[bytes]) -> None:
-        lru_before = list(self.idx._lru)
+        lru_before = self.idx.lru_order()
         hit, got = self.idx.lookup(NS, tenant, hashes)
         exp = [
-            State.ABSENT if (m := self.live.get((tenant, x))) is None else m.state for x in hashes
+            State.ABSENT
+            if (m := self.live.get((tenant, x))) is None or m.doomed is not None
+            else m.state
+            for x in hashes
         ]
         assert got == exp
         exp_hit = next((i for i, s in enumerate(exp) if s is not State.READY), len(exp))
         assert hit == exp_hit
-        assert list(self.idx._lru) == lru_before
+        assert self.idx.lru_order() == lru_before
 
     # ---------------------------------------------------------- invariants
 
@@ -931,21 +1562,28 @@ class IndexMachine(RuleBasedStateMachine):
         assert {(k[1], k[2]): id(e) for k, e in idx._map.items()} == {
             k: id(m.entry) for k, m in self.live.items()
         }
-        assert [id(e) for e in idx._lru.values()] == [id(m.entry) for m in self.lru]
-        # Every entry holding a slot holds a distinct one, and the allocator agrees.
-        held = sorted(
-            (m.entry.extent.offset, m.entry.extent.size)
-            for m in self.model.values()
-            if m.entry.extent.size
-        )
+        assert idx.lru_order() == [m.entry.key for m in self.lru()]
+        # Every entry holding a slot holds a distinct one (a doomed victim
+        # shares its slot only with a new block of the plan that doomed it),
+        # and the allocator counts each slot in use once.
+        holders = [m for m in self.model.values() if m.entry.extent.size and m.doomed is None]
+        held = sorted((m.entry.extent.offset, m.entry.extent.size) for m in holders)
         for (o1, s1), (o2, _) in itertools.pairwise(held):
             assert o1 + s1 <= o2, "overlapping slots"
-        assert sum(s for _, s in held) == stats.used_bytes
+        owner = {m.entry.extent.offset: m for m in holders}
+        for m in self.model.values():
+            if m.doomed is not None:
+                other = owner.get(m.entry.extent.offset)
+                assert other is None or other in m.doomed.new, "a doomed slot was given away"
+        slots = {m.entry.extent.offset for m in self.model.values() if m.entry.extent.size}
+        assert len(slots) * BLOCK == stats.used_bytes
         for m in self.model.values():
             e = m.entry
             assert e.removed == m.removed
             assert e.pins == m.pins
             assert e.state is m.state or m.removed
+            assert (e.doomed_by is not None) == (m.doomed is not None)
+            assert e.doom_removal is m.doom_why
             assert (e.parent is None) == (m.parent is None)
             if m.parent is not None:
                 assert e.parent is m.parent.entry
@@ -956,15 +1594,15 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.frees[id(e)] == (1 if m.freed and m.has_record else 0)
         assert stats.pinned == sum(1 for m in self.live.values() if m.pins)
         assert stats.pending == sum(1 for m in self.live.values() if m.state is State.PENDING)
-        assert stats.ready == len(self.lru)
+        assert stats.ready == len(self.ready)
 
     def teardown(self) -> None:
         # Finish everything in flight: the index must end empty of held slots
         # once all is dropped.
         for batch in self.pending:
-            self.idx.complete_store([m.entry for m in batch], [record() for _ in batch])
-        for batch in self.restores:
-            self.idx.complete_restore([m.entry for m in batch], release=False)
+            self.idx.complete_store([m.entry for m in batch.new], [record() for _ in batch.new])
+        for b in self.restores:
+            self.idx.complete_restore([m.entry for m in b], release=False)
         for t in TENANTS:
             self.idx.drop(NS, t, None)
         self.idx.check_invariants()
@@ -973,7 +1611,7 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 IndexMachine.TestCase.settings = settings(
-    max_examples=100,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

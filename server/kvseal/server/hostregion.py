@@ -51,9 +51,19 @@ class ExtentAllocator:
     """First-fit allocator of aligned extents in ``[0, capacity)``.
 
     Not thread-safe: the cache calls it under its index lock. ``clone`` gives
-    a scratch copy so that eviction can be *planned* without changing
-    anything (eviction is atomic: it frees what was asked or nothing).
+    a scratch copy (tests, diagnostics). Eviction planning instead frees
+    victims for real and, if the plan cannot be completed, takes them back
+    with ``reserve``: free runs are always coalesced, so free-then-reserve of
+    the same extents restores exactly the same free list.
+
+    ``fits(need)`` answers "how many blocks of ``need`` bytes would first-fit
+    place" in O(1) for the few block sizes in use: the count is kept up to
+    date on every change of a free run (first-fit of equal-sized blocks never
+    splits one block across runs, so the count is the sum over free runs of
+    ``run // need``).
     """
+
+    _TRACKED_NEEDS = 8  # block sizes whose fit count is maintained (one per pool, typically)
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity // SLOT_ALIGN * SLOT_ALIGN
@@ -61,6 +71,7 @@ class ExtentAllocator:
         self._offsets: list[int] = [0] if self.capacity else []
         self._sizes: list[int] = [self.capacity] if self.capacity else []
         self.used = 0
+        self._fit: dict[int, int] = {}  # aligned need -> sum(run // need) over free runs
 
     def clone(self) -> ExtentAllocator:
         other = ExtentAllocator.__new__(ExtentAllocator)
@@ -68,7 +79,28 @@ class ExtentAllocator:
         other._offsets = list(self._offsets)
         other._sizes = list(self._sizes)
         other.used = self.used
+        other._fit = dict(self._fit)
         return other
+
+    def _runs_changed(self, gone: tuple[int, ...], added: tuple[int, ...]) -> None:
+        """Keep the fit counts in step: free runs of sizes ``gone`` were
+        replaced by runs of sizes ``added``."""
+        for need in self._fit:
+            self._fit[need] += sum(a // need for a in added) - sum(g // need for g in gone)
+
+    def fits(self, need: int) -> int:
+        """How many blocks of ``align_up(need)`` bytes first-fit could place
+        now. O(1) once the size is tracked (the first call for a size walks
+        the free list; at most ``_TRACKED_NEEDS`` sizes are tracked)."""
+        need = align_up(need)
+        if need <= 0:
+            raise ValueError("block size must be positive")
+        count = self._fit.get(need)
+        if count is None:
+            if len(self._fit) >= self._TRACKED_NEEDS:
+                del self._fit[next(iter(self._fit))]
+            count = self._fit[need] = sum(s // need for s in self._sizes)
+        return count
 
     def allocate(self, size: int) -> Extent | None:
         """Return an extent of ``align_up(size)`` bytes, or None if no free
@@ -80,12 +112,30 @@ class ExtentAllocator:
                 if free == need:
                     del self._offsets[i]
                     del self._sizes[i]
+                    self._runs_changed((free,), ())
                 else:
                     self._offsets[i] = off + need
                     self._sizes[i] = free - need
+                    self._runs_changed((free,), (free - need,))
                 self.used += need
                 return Extent(off, need)
         return None
+
+    def reserve(self, extent: Extent) -> None:
+        """Take exactly ``extent`` (aligned, wholly free) out of the free
+        list, e.g. to hold it for a block that may come back. Raises
+        RegionError and changes nothing if any byte of it is not free."""
+        off, size = extent.offset, extent.size
+        i = bisect.bisect_right(self._offsets, off) - 1
+        if size <= 0 or i < 0 or off + size > self._offsets[i] + self._sizes[i]:
+            raise RegionError(f"cannot reserve {size} bytes at {off}: not free")
+        run_off, run_size = self._offsets[i], self._sizes[i]
+        left, right = off - run_off, run_off + run_size - (off + size)
+        pieces = [(o, s) for o, s in ((run_off, left), (off + size, right)) if s]
+        self._offsets[i : i + 1] = [o for o, _ in pieces]
+        self._sizes[i : i + 1] = [s for _, s in pieces]
+        self._runs_changed((run_size,), tuple(s for _, s in pieces))
+        self.used += size
 
     def can_allocate_all(self, sizes: list[int]) -> bool:
         """Whether ``allocate`` would succeed for every size, in order."""
@@ -103,17 +153,24 @@ class ExtentAllocator:
         merge_prev = i > 0 and self._offsets[i - 1] + self._sizes[i - 1] == off
         merge_next = i < len(self._offsets) and self._offsets[i] == off + size
         if merge_prev and merge_next:
-            self._sizes[i - 1] += size + self._sizes[i]
+            prev, nxt = self._sizes[i - 1], self._sizes[i]
+            self._sizes[i - 1] += size + nxt
             del self._offsets[i]
             del self._sizes[i]
+            self._runs_changed((prev, nxt), (prev + size + nxt,))
         elif merge_prev:
+            prev = self._sizes[i - 1]
             self._sizes[i - 1] += size
+            self._runs_changed((prev,), (prev + size,))
         elif merge_next:
+            nxt = self._sizes[i]
             self._offsets[i] = off
             self._sizes[i] += size
+            self._runs_changed((nxt,), (nxt + size,))
         else:
             self._offsets.insert(i, off)
             self._sizes.insert(i, size)
+            self._runs_changed((), (size,))
 
     def free_bytes(self) -> int:
         return sum(self._sizes)

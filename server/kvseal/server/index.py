@@ -6,7 +6,19 @@ Lifecycle of an entry (vLLM ``OffloadingManager`` semantics)::
 
     begin_store -> PENDING (invisible to lookup, cannot be restored/evicted)
     complete_store(ok) -> READY (in the LRU)      complete_store(fail) -> freed
+    abort_store -> freed (the store failed; its eviction is undone where it can be)
     begin_restore -> pinned (cannot be evicted)   complete_restore -> unpinned
+
+Two-phase eviction. ``begin_store`` does not remove the blocks it evicts to
+make room: it *dooms* them. A doomed entry is invisible (lookup says ABSENT,
+restore says not present, touch ignores it, a new store of its key reports
+IN_PROGRESS, a drop only marks it), nothing is announced, and its bytes are
+reserved for the plan's new blocks: no other store can be placed there. The
+store then settles the eviction: ``complete_store`` with every record
+(success) removes the victims for good and announces them; ``abort_store``
+(failure) removes only the victims whose bytes the backend may have
+overwritten and reinstates every other one exactly as it was (same state,
+record, generation, LRU position; unpinned, as it was when doomed).
 
 Removal (evict, drop, write-back release, integrity failure) takes a block out
 of the map at once, so a new store of the same hash can start, but its slot is
@@ -15,25 +27,43 @@ freed only when no restore pins it and no store is sealing into it.
 Events: ``on_event(kind, reason, entries)`` is called *under the lock* at
 each visible transition (STORED when an entry becomes READY; REMOVED when a
 READY entry leaves, with the Removal reason), so the order watchers see is
-the order things happened. PENDING entries are never announced.
+the order things happened. PENDING entries are never announced; doomed ones
+only when their store settles and they really leave.
 
 Chains: an entry may link to its parent (the previous block of its chain)
 when that parent is in the index. Eviction only takes *leaves* (entries with
 no linked children), least recently used first, and drops cascade to
-descendants, so the index never keeps orphaned descendants.
+descendants, so the index never keeps orphaned descendants. A doomed leaf
+still counts as its parent's child until its store settles (the parent is not
+a leaf yet: the victim may be reinstated under it).
+
+Cost. Recency is a stamp from a clock. The evictable leaves (READY,
+visible, unpinned, childless) are tracked eagerly, at every transition, in
+one of two structures: an ordered dict for leaves that became evictable with
+the newest stamp (published, touched, restored: the common case, O(1) in and
+out, no stale entries), and a binary heap keyed by stamp for leaves that
+became evictable at an *older* stamp (a parent whose last child left, a
+reinstated victim). Heap items are invalidated lazily (an item is current
+while its sequence number is the entry's ``heaped``), and the heap is rebuilt
+when stale items outnumber current ones (amortised O(1) per push). Planning
+an eviction merges the two in stamp order and looks at O(victims +
+protected + stale heap items) entries, each O(1) or O(log N): independent
+of how many blocks the tier holds, and touches never leave stale items.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from kvseal.server.errors import BlockNotPresent, CapacityExhausted
-from kvseal.server.hostregion import Extent, ExtentAllocator
+from kvseal.server.hostregion import Extent, ExtentAllocator, align_up
 from kvseal.server.sealing import SealRecord
 
 BlockKey = tuple[bytes, bytes, bytes]  # (namespace, tenant, block hash)
@@ -70,16 +100,49 @@ class Entry:
     children: set[Entry] = field(default_factory=set)
     pins: int = 0
     removed: bool = False
+    # Recency stamp (larger = more recently used); meaningful while READY.
+    last_use: int = 0
+    # Where the eviction planner finds it: _UNTRACKED, _ORDERED or _HEAP, and the
+    # sequence number of its current heap item (0: none).
+    tracked: int = 0
+    heaped: int = 0
+    # Set while the entry is an eviction victim of a store that has not settled.
+    doomed_by: _Eviction | None = None
+    # A doomed entry that must leave even if its store is aborted (dropped, or
+    # an ancestor failed meanwhile), and the reason to announce then.
+    doom_removal: Removal | None = None
+    # New entries of a plan that evicted: the eviction their completion settles.
+    eviction: _Eviction | None = None
 
     @property
     def block_hash(self) -> bytes:
         return self.key[2]
 
+    @property
+    def visible(self) -> bool:
+        """READY and not doomed: what lookup/restore/touch can see."""
+        return self.state is State.READY and self.doomed_by is None and not self.removed
+
+
+@dataclass(eq=False, slots=True)
+class _Eviction:
+    """The victims one store doomed, and the bytes held for them."""
+
+    victims: list[Entry]  # in the order they were chosen (LRU leaves first)
+    new: list[Entry]  # the plan's new entries
+    holds: list[Extent]  # victims' bytes no new block was placed in (kept allocated)
+    settled: bool = False
+
 
 @dataclass(slots=True)
 class StorePlan:
-    """Result of :meth:`Index.begin_store`; the caller seals ``new`` entries
-    and must call :meth:`Index.complete_store` with them exactly once."""
+    """Result of :meth:`Index.begin_store`. The caller seals ``new`` entries
+    and then settles the plan exactly once: :meth:`Index.complete_store`
+    with ``new`` and one record (or None) each, or :meth:`Index.abort_store`.
+
+    ``evicted`` are the victims the plan *doomed* to make room: they leave
+    for good when the store completes with every record; an aborted store
+    removes only those whose bytes may have been written."""
 
     outcomes: list[StoreOutcome]
     new: list[Entry]  # PENDING, in request order, parallel to new_positions
@@ -94,6 +157,10 @@ class IndexStats:
     pinned: int
     used_bytes: int
     capacity_bytes: int
+
+
+_HeapItem = tuple[int, int, Entry]  # (last_use stamp, sequence number, entry)
+_UNTRACKED, _ORDERED, _HEAP = 0, 1, 2
 
 
 class Index:
@@ -112,10 +179,21 @@ class Index:
         self._lock = threading.Lock()
         self._alloc = ExtentAllocator(capacity)
         self._map: dict[BlockKey, Entry] = {}
-        self._lru: OrderedDict[BlockKey, Entry] = OrderedDict()  # READY only, oldest first
+        self._ready: dict[BlockKey, Entry] = {}  # visible READY entries (any order)
+        # Evictable leaves: those that became so with the newest stamp, in stamp
+        # order; and the others, in a heap by stamp (stale items invalidated lazily).
+        self._leaves: OrderedDict[BlockKey, Entry] = OrderedDict()
+        self._last_appended = 0  # stamp of the newest leaf ever appended to _leaves
+        self._heap: list[_HeapItem] = []
+        self._heap_live = 0  # current items in _heap
+        self._clock = 0  # recency stamps
+        self._seq = itertools.count(1)  # heap item identities (never reused)
+        self._evictions: set[_Eviction] = set()  # not settled yet
         self._generation = 0
         self._on_free = on_free
         self._on_event = on_event
+        # Instrumentation (tests, benchmark): heap items eviction planning looked at.
+        self.examined = 0
 
     def _announce(self, kind: str, reason: Removal | None, entries: list[Entry]) -> None:
         """Report READY entries (caller holds the lock; must not block)."""
@@ -126,12 +204,13 @@ class Index:
     # ----------------------------------------------------------- queries
 
     def lookup(self, ns: bytes, tenant: bytes, hashes: Sequence[bytes]) -> tuple[int, list[State]]:
-        """Length of the READY prefix, and each block's state. No LRU change."""
+        """Length of the READY prefix, and each block's state. No LRU change.
+        A doomed block (being evicted by a store in flight) is ABSENT."""
         with self._lock:
             states = []
             for h in hashes:
                 e = self._map.get((ns, tenant, h))
-                states.append(State.ABSENT if e is None else e.state)
+                states.append(State.ABSENT if e is None or e.doomed_by is not None else e.state)
         hit = 0
         for s in states:
             if s is not State.READY:
@@ -140,23 +219,30 @@ class Index:
         return hit, states
 
     def touch(self, ns: bytes, tenant: bytes, hashes: Iterable[bytes]) -> int:
-        """Mark READY blocks most recently used (chain order: later blocks are
-        touched last, so ancestors are never younger than descendants)."""
+        """Mark visible READY blocks most recently used (chain order: later
+        blocks are touched last, so ancestors are never younger than
+        descendants). Returns how many were touched."""
         n = 0
         with self._lock:
             for h in hashes:
-                key = (ns, tenant, h)
-                if key in self._lru:
-                    self._lru.move_to_end(key)
+                e = self._ready.get((ns, tenant, h))
+                if e is not None:
+                    self._use(e)
                     n += 1
         return n
 
     def stats(self) -> IndexStats:
         with self._lock:
-            ready = len(self._lru)
+            ready = len(self._ready)
             pending = sum(1 for e in self._map.values() if e.state is State.PENDING)
             pinned = sum(1 for e in self._map.values() if e.pins)
             return IndexStats(ready, pending, pinned, self._alloc.used, self._alloc.capacity)
+
+    def lru_order(self) -> list[BlockKey]:
+        """Visible READY blocks, least recently used first (O(N log N):
+        tests and diagnostics, not the data path)."""
+        with self._lock:
+            return [e.key for e in sorted(self._ready.values(), key=lambda e: e.last_use)]
 
     # ----------------------------------------------------------- store
 
@@ -168,9 +254,11 @@ class Index:
         hashes: Sequence[bytes],
         size: int,
     ) -> StorePlan:
-        """Classify the blocks, evict if needed, and reserve slots for the
-        absent ones (PENDING). All-or-nothing: raises CapacityExhausted and
-        changes nothing if the new blocks cannot all be placed."""
+        """Classify the blocks, doom LRU leaves if room is needed, and
+        reserve slots for the absent ones (PENDING). All-or-nothing: raises
+        CapacityExhausted and changes nothing if the new blocks cannot all be
+        placed. Victims are only doomed (see the module docstring): nothing
+        is announced until the plan settles."""
         with self._lock:
             outcomes: list[StoreOutcome] = []
             new_positions: list[int] = []
@@ -183,18 +271,13 @@ class Index:
                 else:
                     protected.add(id(e))
                     outcomes.append(
-                        StoreOutcome.ALREADY_PRESENT
-                        if e.state is State.READY
-                        else StoreOutcome.IN_PROGRESS
+                        StoreOutcome.ALREADY_PRESENT if e.visible else StoreOutcome.IN_PROGRESS
                     )
             parent0 = self._map.get((ns, tenant, parent_hash)) if parent_hash else None
             if parent0 is not None:
                 protected.add(id(parent0))
-            sizes = [size] * len(new_positions)
-            evicted = self._plan_eviction(sizes, protected)
-            for victim in evicted:
-                self._remove(victim, cascade=False)
-            self._announce("REMOVED", Removal.EVICTED, evicted)
+            victims = self._plan_eviction(len(new_positions), size, protected)
+            # The victims' bytes are free in the allocator now; place the new blocks.
             new: list[Entry] = []
             for pos in new_positions:
                 extent = self._alloc.allocate(size)
@@ -204,101 +287,275 @@ class Index:
                 e = Entry((ns, tenant, hashes[pos]), extent, size, self._generation)
                 self._map[e.key] = e
                 new.append(e)
-            # Link chains: parent of hashes[i] is hashes[i-1] (or parent_hash).
+            if victims:
+                # Hold what the new blocks did not take, so that no other store
+                # is placed over a victim that an abort may reinstate.
+                holds = _subtract([v.extent for v in victims], [e.extent for e in new])
+                for x in holds:
+                    self._alloc.reserve(x)
+                ev = _Eviction(victims, new, holds)
+                self._evictions.add(ev)
+                for v in victims:
+                    self._untrack(v)  # a chosen heap item was popped: it is gone
+                    v.doomed_by = ev
+                    del self._ready[v.key]
+                for e in new:
+                    e.eviction = ev
+            # Link chains: parent of hashes[i] is hashes[i-1] (or parent_hash),
+            # never a doomed block (it may be about to leave).
             for i, h in enumerate(hashes):
-                child = self._map[(ns, tenant, h)]
                 if outcomes[i] is not StoreOutcome.STORED:
                     continue
+                child = self._map[(ns, tenant, h)]
                 parent = parent0 if i == 0 else self._map.get((ns, tenant, hashes[i - 1]))
-                if parent is not None and not parent.removed:
+                if parent is not None and not parent.removed and parent.doomed_by is None:
                     child.parent = parent
                     parent.children.add(child)
+                    self._untrack(parent)  # not a leaf any more
             # Touch what was already there, in chain order.
             for i, h in enumerate(hashes):
                 if outcomes[i] is StoreOutcome.ALREADY_PRESENT:
-                    self._lru.move_to_end((ns, tenant, h))
-            return StorePlan(outcomes, new, new_positions, evicted)
+                    self._use(self._map[(ns, tenant, h)])
+            return StorePlan(outcomes, new, new_positions, victims)
 
-    def _plan_eviction(self, sizes: list[int], protected: set[int]) -> list[Entry]:
-        """Choose LRU leaves to evict so that ``sizes`` fit. Changes nothing."""
-        if self._alloc.can_allocate_all(sizes):
+    def _plan_eviction(self, n: int, size: int, protected: set[int]) -> list[Entry]:
+        """Choose LRU leaves so that ``n`` blocks of ``size`` bytes fit, and
+        free their extents in the allocator. On CapacityExhausted nothing has
+        changed (the extents are reserved again, the heap items put back).
+
+        The choice is the old definition, exactly: repeatedly the least
+        recently used entry that is visible READY, unpinned, not
+        ``protected`` and has no children other than victims already chosen.
+        Candidates come, in stamp order, from the ordered leaves, the heap of
+        older leaves, and a local heap of parents whose last child was just
+        chosen (each such parent enters at its own recency)."""
+        if n == 0:
             return []
-        if any(s > self._alloc.capacity for s in sizes):
+        need = align_up(size)
+        if need > self._alloc.capacity:
             raise CapacityExhausted(
-                f"a block of {sizes[0]} bytes is larger than the host tier "
+                f"a block of {size} bytes is larger than the host tier "
                 f"({self._alloc.capacity} bytes)"
             )
-        need = sum(sizes)
-        sim = self._alloc.clone()
+        if self._alloc.fits(need) >= n:
+            return []
         victims: list[Entry] = []
         chosen: set[int] = set()
-        gone_children: dict[int, int] = {}
-        while True:
-            cand = None
-            for e in self._lru.values():
-                if id(e) in chosen or id(e) in protected or e.pins:
-                    continue
-                live_children = len(e.children) - gone_children.get(id(e), 0)
-                if live_children > 0:
-                    continue
-                cand = e
-                break
+        gone: dict[int, int] = {}  # id(parent) -> children chosen so far
+        local: list[_HeapItem] = []
+        put_back: list[_HeapItem] = []  # heap items of chosen victims (restored on failure)
+        aside: list[_HeapItem] = []  # heap items skipped (always restored)
+        heap = self._heap
+        ordered = iter(self._leaves.values())  # not changed while planning
+        head = next(ordered, None)
+
+        def leaf_now(e: Entry) -> bool:
+            return e.visible and e.pins == 0 and len(e.children) == gone.get(id(e), 0)
+
+        while self._alloc.fits(need) < n:
+            cand: Entry | None = None
+            while cand is None and (head is not None or heap or local):
+                # The oldest of the three sources (stamps are unique).
+                src, best = 0, head.last_use if head is not None else None
+                if heap and (best is None or heap[0][0] < best):
+                    src, best = 1, heap[0][0]
+                if local and (best is None or local[0][0] < best):
+                    src = 2
+                self.examined += 1
+                if src == 0:
+                    assert head is not None
+                    e, head = head, next(ordered, None)
+                    if id(e) not in protected and leaf_now(e):
+                        cand = e
+                elif src == 1:
+                    item = heapq.heappop(heap)
+                    e = item[2]
+                    if item[1] != e.heaped:
+                        continue  # stale (touched, pinned, gained a child, or gone since)
+                    if id(e) in protected or not leaf_now(e):
+                        aside.append(item)
+                        continue
+                    put_back.append(item)
+                    cand = e
+                else:
+                    _, _, e = heapq.heappop(local)
+                    if id(e) not in chosen and id(e) not in protected and leaf_now(e):
+                        cand = e
             if cand is None:
+                for v in reversed(victims):
+                    self._alloc.reserve(v.extent)
+                for item in put_back + aside:
+                    heapq.heappush(heap, item)
                 raise CapacityExhausted(
-                    f"host tier full: {len(sizes)} new block(s) of {sizes[0]} bytes do not fit "
+                    f"host tier full: {n} new block(s) of {size} bytes do not fit "
                     f"and every other block is pinned, pending, or part of this request"
                 )
             victims.append(cand)
             chosen.add(id(cand))
-            if cand.parent is not None:
-                gone_children[id(cand.parent)] = gone_children.get(id(cand.parent), 0) + 1
-            sim.free(cand.extent)
-            if sim.free_bytes() >= need and sim.can_allocate_all(sizes):
-                return victims
+            self._alloc.free(cand.extent)
+            p = cand.parent
+            if p is not None:
+                g = gone[id(p)] = gone.get(id(p), 0) + 1
+                if g == len(p.children):
+                    heapq.heappush(local, (p.last_use, next(self._seq), p))
+        for item in aside:
+            heapq.heappush(heap, item)
+        return victims
 
     def complete_store(
         self, entries: Sequence[Entry], records: Sequence[SealRecord | None]
     ) -> list[Entry]:
         """Publish sealed entries as READY (record given) or release them
-        (None: sealing failed). Entries removed meanwhile (e.g. dropped, or a
-        cascade from their parent) are freed instead of published. A failed
-        entry takes its descendants with it (another request may have linked
-        READY children under it while it was pending): those are returned,
-        and announced as REMOVED (DROPPED)."""
+        (None: sealing failed). ``entries`` is the plan's ``new``, exactly
+        once. Entries removed meanwhile (e.g. dropped, or a cascade from
+        their parent) are freed instead of published. A failed entry takes
+        its descendants with it (another request may have linked READY
+        children under it while it was pending): those are returned, and
+        announced as REMOVED (DROPPED).
+
+        The plan's eviction settles here. Every record present: the victims
+        leave for good, announced REMOVED (EVICTED) just before the STORED
+        events. Some record None: as :meth:`abort_store` with every position
+        written (a victim overlapping any new block's slot leaves, the others
+        are reinstated), but the sealed entries are still published."""
         with self._lock:
+            ev = next((e.eviction for e in entries if e.eviction is not None), None)
             stored: list[Entry] = []
             cascaded: list[Entry] = []
+            seen: list[Entry] = []  # cascaded entries that were READY (announced) then
+            extents = [e.extent for e in entries]
             for e, rec in zip(entries, records, strict=True):
+                e.eviction = None
                 e.record = rec
                 if rec is None or e.removed:
                     if not e.removed:
-                        cascaded.extend(c for c in self._remove(e, cascade=True) if c is not e)
+                        gone_now = [c for c in self._remove(e, cascade=True) if c is not e]
+                        cascaded.extend(gone_now)
+                        # A later entry of this batch may be in the cascade while
+                        # still PENDING: it was never announced, so it must not be
+                        # announced as removed when it turns READY below.
+                        seen.extend(c for c in gone_now if c.state is State.READY)
                     if rec is not None:
                         e.state = State.READY  # sealed, but nobody will see it
                     self._free_if_idle(e, sealing_done=True)
                     continue
                 e.state = State.READY
-                self._lru[e.key] = e
+                self._clock += 1
+                e.last_use = self._clock
+                self._ready[e.key] = e
                 stored.append(e)
+            gone: list[tuple[Entry, Removal]] = []
+            if ev is not None:
+                ok = all(rec is not None for rec in records)
+                gone = self._settle(ev, None if ok else extents)
+            self._announce_gone(gone)
             self._announce("STORED", None, stored)
-            self._announce("REMOVED", Removal.DROPPED, cascaded)
+            self._announce("REMOVED", Removal.DROPPED, seen)
+            for e in stored:
+                self._consider(e)
             return cascaded
+
+    def abort_store(
+        self, plan: StorePlan, written: Collection[int]
+    ) -> tuple[list[Entry], list[Entry]]:
+        """Settle a store that failed: discard every new entry and undo the
+        eviction where the bytes allow it. Instead of ``complete_store``,
+        exactly once per plan.
+
+        ``written`` are positions in ``plan.new`` whose slots the backend may
+        have written (all of them when unsure). A victim whose bytes overlap
+        such a slot leaves for good (its ciphertext may be destroyed), with
+        its victim descendants; so does a victim dropped meanwhile. Both are
+        announced REMOVED (EVICTED, or the drop's reason). Every other victim
+        is reinstated exactly as it was: READY and visible, same record and
+        generation, same LRU position, unpinned; nothing is announced for it.
+        New entries are freed (never announced: they were never READY); READY
+        blocks other requests linked under them leave with them, announced
+        REMOVED (DROPPED).
+
+        Returns (victims removed, descendants removed: entries of other
+        requests, not ``plan.new``). Raises ValueError and
+        changes nothing if a position is out of range."""
+        positions = set(written)
+        if any(not 0 <= i < len(plan.new) for i in positions):
+            raise ValueError(f"written positions {sorted(positions)} outside plan.new")
+        with self._lock:
+            ev = next((e.eviction for e in plan.new if e.eviction is not None), None)
+            hit = [plan.new[i].extent for i in sorted(positions)]
+            mine = {id(e) for e in plan.new}
+            cascaded: list[Entry] = []
+            for e in plan.new:
+                e.eviction = None
+                e.record = None
+                if not e.removed:
+                    cascaded.extend(c for c in self._remove(e, cascade=True) if id(c) not in mine)
+                self._free_if_idle(e, sealing_done=True)
+            gone = self._settle(ev, hit) if ev is not None else []
+            self._announce_gone(gone)
+            self._announce("REMOVED", Removal.DROPPED, cascaded)
+            return [v for v, _ in gone], cascaded
+
+    def _settle(self, ev: _Eviction, written: list[Extent] | None) -> list[tuple[Entry, Removal]]:
+        """End a plan's eviction (lock held). ``written`` None: success, every
+        victim leaves. Otherwise victims overlapping a ``written`` extent (or
+        marked to go, or below one that goes) leave; the rest are reinstated.
+        The new entries' slots must already be freed where they will not be
+        kept. Returns the victims that left, with the reason to announce."""
+        ev.settled = True
+        self._evictions.discard(ev)
+        for x in ev.holds:
+            self._alloc.free(x)
+        ev.holds = []
+        going: dict[int, Removal] = {}
+        hit = _overlapping([v.extent for v in ev.victims], written or [])
+        # Parents are chosen after their children: walk back so that a
+        # parent's fate is known before its children's.
+        for v, overwritten in zip(reversed(ev.victims), reversed(hit), strict=True):
+            if written is None or overwritten:
+                going[id(v)] = Removal.EVICTED
+            elif v.doom_removal is not None:
+                going[id(v)] = v.doom_removal
+            elif v.parent is not None and id(v.parent) in going:
+                going[id(v)] = going[id(v.parent)]
+        gone: list[tuple[Entry, Removal]] = []
+        for v in ev.victims:
+            v.doomed_by = None
+            v.doom_removal = None
+            why = going.get(id(v))
+            if why is None:
+                self._alloc.reserve(v.extent)  # only holds and unwritten slots: free now
+                self._ready[v.key] = v
+                self._consider(v)
+                continue
+            # Its bytes went back to the allocator when it was doomed.
+            v.extent = Extent(v.extent.offset, 0)
+            if self._on_free is not None and v.record is not None:
+                self._on_free(v)
+            self._remove(v, cascade=False)
+            gone.append((v, why))
+        return gone
+
+    def _announce_gone(self, gone: list[tuple[Entry, Removal]]) -> None:
+        for why in Removal:
+            self._announce("REMOVED", why, [v for v, w in gone if w is why])
 
     # ----------------------------------------------------------- restore
 
     def begin_restore(self, ns: bytes, tenant: bytes, hashes: Sequence[bytes]) -> list[Entry]:
-        """Pin every block (all must be READY) or raise BlockNotPresent and
-        pin nothing."""
+        """Pin every block (all must be visible READY) or raise
+        BlockNotPresent and pin nothing."""
         with self._lock:
             entries = []
             for i, h in enumerate(hashes):
                 e = self._map.get((ns, tenant, h))
-                if e is None or e.state is not State.READY:
-                    what = "absent" if e is None else "still being stored"
+                if e is None or not e.visible:
+                    pending = e is not None and e.state is State.PENDING
+                    what = "still being stored" if pending else "absent"
                     raise BlockNotPresent(f"block_hashes[{i}] is {what}; nothing was restored")
                 entries.append(e)
             for e in entries:
                 e.pins += 1
+                self._untrack(e)
             return entries
 
     def complete_restore(
@@ -313,27 +570,31 @@ class Index:
             failed_ids = {id(e) for e in failed}
             for e in failed:
                 if not e.removed:
-                    bad.extend(self._remove(e, cascade=True))
+                    bad.extend(self._remove(e, cascade=True, why=Removal.INTEGRITY))
             if release:
                 for e in entries:
                     if id(e) not in failed_ids and not e.removed:
                         released.extend(self._remove(e, cascade=False, reparent=True))
             else:
                 for e in entries:
-                    if not e.removed and e.key in self._lru:
-                        self._lru.move_to_end(e.key)
+                    if e.visible:
+                        self._clock += 1
+                        e.last_use = self._clock
             self._announce("REMOVED", Removal.INTEGRITY, bad)
             self._announce("REMOVED", Removal.RELEASED, released)
             for e in entries:
                 e.pins -= 1
                 self._free_if_idle(e)
+                self._consider(e)
             return released, bad
 
     # ----------------------------------------------------------- drop
 
     def drop(self, ns: bytes, tenant: bytes, hashes: Sequence[bytes] | None) -> list[Entry]:
         """Remove the blocks (all of the tenant in ``ns`` when ``hashes`` is
-        None) and their descendants. Returns every entry removed."""
+        None) and their descendants. Returns every entry removed. A doomed
+        block is only marked: it leaves when its store settles, whatever the
+        outcome, and is announced then (not returned here)."""
         with self._lock:
             if hashes is None:
                 targets = [e for k, e in self._map.items() if k[0] == ns and k[1] == tenant]
@@ -341,34 +602,107 @@ class Index:
                 targets = [e for h in hashes if (e := self._map.get((ns, tenant, h))) is not None]
             removed: list[Entry] = []
             for e in targets:
-                if not e.removed:
+                if e.doomed_by is not None:
+                    if e.doom_removal is None:
+                        e.doom_removal = Removal.DROPPED
+                elif not e.removed:
                     removed.extend(self._remove(e, cascade=True))
             self._announce("REMOVED", Removal.DROPPED, removed)
             return removed
 
     # ----------------------------------------------------------- internals
 
-    def _remove(self, e: Entry, *, cascade: bool, reparent: bool = False) -> list[Entry]:
+    def _use(self, e: Entry) -> None:
+        """Make a visible READY entry the most recently used (lock held)."""
+        self._untrack(e)
+        self._clock += 1
+        e.last_use = self._clock
+        self._consider(e)
+
+    def _evictable(self, e: Entry) -> bool:
+        return e.visible and e.pins == 0 and not e.children
+
+    def _untrack(self, e: Entry) -> None:
+        """Forget ``e`` as an eviction candidate (it stops being an evictable
+        leaf, or its stamp changes). O(1)."""
+        if e.tracked == _ORDERED:
+            del self._leaves[e.key]
+        elif e.tracked == _HEAP:
+            e.heaped = 0  # its item is stale from now on
+            self._heap_live -= 1
+        e.tracked = _UNTRACKED
+
+    def _consider(self, e: Entry) -> None:
+        """Track ``e`` if it is an evictable leaf and not tracked yet. Called
+        at every transition that can make it one. O(1), or O(log N) for a
+        leaf at an older stamp than the newest one tracked in order."""
+        if e.tracked != _UNTRACKED or not self._evictable(e):
+            return
+        if e.last_use > self._last_appended:
+            self._leaves[e.key] = e
+            self._last_appended = e.last_use
+            e.tracked = _ORDERED
+            return
+        e.heaped = next(self._seq)
+        e.tracked = _HEAP
+        self._heap_live += 1
+        heapq.heappush(self._heap, (e.last_use, e.heaped, e))
+        if len(self._heap) > 2 * self._heap_live + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale heap items (more than half): O(heap), amortised O(1)
+        per push."""
+        self._heap = [item for item in self._heap if item[1] == item[2].heaped]
+        heapq.heapify(self._heap)
+
+    def _remove(
+        self,
+        e: Entry,
+        *,
+        cascade: bool,
+        reparent: bool = False,
+        why: Removal = Removal.DROPPED,
+    ) -> list[Entry]:
         """Take ``e`` (and with ``cascade`` its descendants) out of the map.
 
         With ``reparent`` (write-back release of a restored block) children
         are kept and unlinked instead: the engine holds the block in GPU
         memory again, so its descendants are still a usable continuation.
+        A doomed descendant is only marked to go (reason ``why``) and
+        unlinked: its store settles it.
         """
-        out = [e]
-        e.removed = True
-        self._map.pop(e.key, None)
-        self._lru.pop(e.key, None)
-        if e.parent is not None:
-            e.parent.children.discard(e)
+        # Iterative (a chain can be far deeper than Python's recursion limit),
+        # in the order the recursive walk had: pre-order out, frees post-order.
+        out: list[Entry] = []
+        parent = e.parent
+        if parent is not None:
+            parent.children.discard(e)
             e.parent = None
-        children = list(e.children)
-        e.children.clear()
-        for c in children:
-            c.parent = None
-            if cascade and not reparent and not c.removed:
-                out.extend(self._remove(c, cascade=True))
-        self._free_if_idle(e)
+        stack = [e]
+        while stack:
+            x = stack.pop()
+            out.append(x)
+            self._untrack(x)
+            x.removed = True
+            self._map.pop(x.key, None)
+            self._ready.pop(x.key, None)
+            children = list(x.children)
+            x.children.clear()
+            descend: list[Entry] = []
+            for c in children:
+                c.parent = None
+                if cascade and not reparent and not c.removed:
+                    if c.doomed_by is not None:
+                        if c.doom_removal is None:
+                            c.doom_removal = why
+                    else:
+                        descend.append(c)
+            stack.extend(reversed(descend))
+        for x in reversed(out):
+            self._free_if_idle(x)
+        if parent is not None:
+            self._consider(parent)
         return out
 
     def _free_if_idle(self, e: Entry, *, sealing_done: bool = False) -> None:
@@ -383,17 +717,99 @@ class Index:
         """Raise AssertionError if the index is inconsistent (tests only)."""
         with self._lock:
             live = list(self._map.values())
-            used = sum(e.extent.size for e in live)
-            if used > self._alloc.used or self._alloc.used > self._alloc.capacity:
-                raise AssertionError("allocator accounting")
             for k, e in self._map.items():
                 if e.key != k or e.removed:
                     raise AssertionError("map entry mismatch")
                 if e.parent is not None and (e.parent.removed or e not in e.parent.children):
                     raise AssertionError("orphaned descendant")
-                if (e.state is State.READY) != (k in self._lru):
-                    raise AssertionError("LRU holds exactly the READY entries")
-            spans = sorted((e.extent.offset, e.extent.size) for e in live)
-            for (o1, s1), (o2, _) in itertools.pairwise(spans):
+                if e.visible != (k in self._ready):
+                    raise AssertionError("_ready holds exactly the visible READY entries")
+                if e.doomed_by is not None and (
+                    e.doomed_by.settled or e.pins or e.state is not State.READY
+                ):
+                    raise AssertionError("doomed entry is pinned, not READY, or settled")
+            for k, e in self._ready.items():
+                if self._map.get(k) is not e:
+                    raise AssertionError("_ready entry not in the map")
+            stamps = [e.last_use for e in self._ready.values()]
+            if len(set(stamps)) != len(stamps) or any(s <= 0 for s in stamps):
+                raise AssertionError("recency stamps are not distinct")
+            # Every evictable leaf is tracked exactly once, and nothing else is.
+            current = {item[1]: item for item in self._heap if item[1] == item[2].heaped}
+            if len(current) != self._heap_live:
+                raise AssertionError("heap live count")
+            order = [e.last_use for e in self._leaves.values()]
+            if order != sorted(order) or (order and order[-1] > self._last_appended):
+                raise AssertionError("ordered leaves out of stamp order")
+            for k, e in self._leaves.items():
+                if e.key != k or e.tracked != _ORDERED or not self._evictable(e):
+                    raise AssertionError("ordered leaf is not an evictable leaf")
+            for item in current.values():
+                e = item[2]
+                if e.tracked != _HEAP or item[0] != e.last_use or not self._evictable(e):
+                    raise AssertionError("heap item is not a current evictable leaf")
+            for e in live:
+                if self._evictable(e) and e.tracked == _UNTRACKED:
+                    raise AssertionError("evictable leaf not tracked")
+            # Slots: visible/pending holders, new entries of open plans (even if
+            # dropped meanwhile: still being written) and holds never overlap;
+            # a doomed victim's bytes are covered by its plan's slots and holds.
+            holders: dict[int, Extent] = {
+                id(e): e.extent for e in live if e.doomed_by is None and e.extent.size
+            }
+            spans = []
+            for ev in self._evictions:
+                for e in ev.new:
+                    if e.extent.size:
+                        holders[id(e)] = e.extent
+                spans.extend(ev.holds)
+                cover = [e.extent for e in ev.new if e.extent.size] + list(ev.holds)
+                for v in ev.victims:
+                    if v.doomed_by is not ev or _subtract([v.extent], cover):
+                        raise AssertionError("doomed victim's bytes not held by its plan")
+            spans.extend(holders.values())
+            if sum(x.size for x in spans) > self._alloc.used:
+                raise AssertionError("allocator accounting")
+            if self._alloc.used > self._alloc.capacity:
+                raise AssertionError("allocator accounting")
+            ordered = sorted((x.offset, x.size) for x in spans)
+            for (o1, s1), (o2, _) in itertools.pairwise(ordered):
                 if o1 + s1 > o2:
                     raise AssertionError("overlapping slots")
+
+
+def _overlapping(pieces: list[Extent], taken: list[Extent]) -> list[bool]:
+    """For each of ``pieces``: whether it shares a byte with one of ``taken``
+    (disjoint). O((P + T) log T)."""
+    cuts = sorted((t.offset, t.offset + t.size) for t in taken if t.size)
+    starts = [a for a, _ in cuts]
+    out = []
+    for p in pieces:
+        # The last cut starting before the piece ends is the only candidate
+        # that can reach into it (cuts are disjoint, so ends are sorted too).
+        i = bisect.bisect_left(starts, p.offset + p.size) - 1
+        out.append(p.size > 0 and i >= 0 and cuts[i][1] > p.offset)
+    return out
+
+
+def _subtract(pieces: list[Extent], taken: list[Extent]) -> list[Extent]:
+    """The parts of ``pieces`` (disjoint) not covered by ``taken`` (disjoint).
+    O((P + T) log T)."""
+    cuts = sorted((t.offset, t.offset + t.size) for t in taken if t.size)
+    starts = [a for a, _ in cuts]
+    out: list[Extent] = []
+    for p in pieces:
+        lo, hi = p.offset, p.offset + p.size
+        i = max(bisect.bisect_right(starts, lo) - 1, 0)
+        while lo < hi and i < len(cuts):
+            a, b = cuts[i]
+            if a >= hi:
+                break
+            if b > lo:
+                if a > lo:
+                    out.append(Extent(lo, a - lo))
+                lo = max(lo, b)
+            i += 1
+        if lo < hi:
+            out.append(Extent(lo, hi - lo))
+    return out
