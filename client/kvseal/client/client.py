@@ -407,6 +407,7 @@ class KVSealClient:
         """
         grace = self.config.transfer_grace_s
         request.grace_ms = round(grace * 1000)
+        request.budget_us = max(1, int(timeout * 1e6))
         give_up = time.monotonic() + timeout + grace
         try:
             return self._call(method, request, timeout + grace)

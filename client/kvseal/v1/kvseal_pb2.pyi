@@ -228,7 +228,7 @@ class TouchReply(_message.Message):
     def __init__(self, touched: _Optional[int] = ...) -> None: ...
 
 class OffloadRequest(_message.Message):
-    __slots__ = ("pool_id", "tenant", "parent_hash", "block_hashes", "page_ids", "cuda_event_ipc_handle", "grace_ms")
+    __slots__ = ("pool_id", "tenant", "parent_hash", "block_hashes", "page_ids", "cuda_event_ipc_handle", "grace_ms", "budget_us")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class OffloadRequest(_message.Message):
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     CUDA_EVENT_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     GRACE_MS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_US_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     tenant: bytes
     parent_hash: bytes
@@ -243,7 +244,8 @@ class OffloadRequest(_message.Message):
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     cuda_event_ipc_handle: bytes
     grace_ms: int
-    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., cuda_event_ipc_handle: _Optional[bytes] = ..., grace_ms: _Optional[int] = ...) -> None: ...
+    budget_us: int
+    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., cuda_event_ipc_handle: _Optional[bytes] = ..., grace_ms: _Optional[int] = ..., budget_us: _Optional[int] = ...) -> None: ...
 
 class OffloadReply(_message.Message):
     __slots__ = ("outcomes", "stored_blocks", "stored_bytes", "evicted_blocks")
@@ -258,7 +260,7 @@ class OffloadReply(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[OffloadOutcome, str]]] = ..., stored_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("pool_id", "tenant", "block_hashes", "page_ids", "release", "cuda_event_ipc_handle", "grace_ms")
+    __slots__ = ("pool_id", "tenant", "block_hashes", "page_ids", "release", "cuda_event_ipc_handle", "grace_ms", "budget_us")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +268,7 @@ class RestoreRequest(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     CUDA_EVENT_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     GRACE_MS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_US_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     tenant: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -273,7 +276,8 @@ class RestoreRequest(_message.Message):
     release: bool
     cuda_event_ipc_handle: bytes
     grace_ms: int
-    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., release: _Optional[bool] = ..., cuda_event_ipc_handle: _Optional[bytes] = ..., grace_ms: _Optional[int] = ...) -> None: ...
+    budget_us: int
+    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., release: _Optional[bool] = ..., cuda_event_ipc_handle: _Optional[bytes] = ..., grace_ms: _Optional[int] = ..., budget_us: _Optional[int] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
     __slots__ = ("restored_blocks", "restored_bytes")

@@ -50,6 +50,24 @@ T = TypeVar("T")
 SHM_DIR = "/dev/shm"  # noqa: S108 - POSIX shm objects live here on Linux
 
 
+_WRITTEN_ATTR = "kvseal_written_blocks"
+
+
+def note_written(exc: BaseException, blocks: set[int]) -> None:
+    """Record on a ``seal_blocks`` failure which blocks (indices into its
+    ``blocks``) may have had bytes written to their extents; the cache
+    reinstates eviction victims that no such write can have touched."""
+    prior: set[int] = getattr(exc, _WRITTEN_ATTR, set())
+    setattr(exc, _WRITTEN_ATTR, prior | blocks)
+
+
+def written_positions(exc: BaseException, n: int) -> set[int]:
+    """The blocks a failed ``seal_blocks`` may have written: what the backend
+    noted, else (it could not tell) all ``n``."""
+    noted: set[int] | None = getattr(exc, _WRITTEN_ATTR, None)
+    return set(range(n)) if noted is None else noted
+
+
 @dataclass(frozen=True, slots=True)
 class BlockIO:
     """One block of a batch: where it lives in the pool and in the region."""
@@ -402,13 +420,21 @@ class CpuBackend:
         deadline: Deadline = NO_DEADLINE,
     ) -> list[SealRecord]:
         assert isinstance(pool, CpuMappedPool)
-        self._no_event(wait_event)
-        pool.check()
+        try:
+            self._no_event(wait_event)
+            pool.check()
+        except BaseException as e:
+            note_written(e, set())  # nothing reached the region
+            raise
+
+        started: list[set[int]] = []  # per chunk: blocks whose region write began
 
         def work(a: int, b: int) -> list[SealRecord]:
             records: list[SealRecord] = []
+            writes: set[int] = set()
+            started.append(writes)
             try:
-                for blk in blocks[a:b]:
+                for i, blk in enumerate(blocks[a:b], start=a):
                     # Before every page read: past the cutoff the engine may
                     # already own this page again (see kvseal.server.deadline).
                     deadline.check(f"page {blk.page}")
@@ -416,6 +442,7 @@ class CpuBackend:
                     pool.gather(blk.page, sealed)
                     rec = self._sealer.seal_into(sealed[: blk.size], blk.ad, sealed)
                     records.append(rec)
+                    writes.add(i)
                     region.write(blk.extent.offset, sealed[: blk.size])
             except BaseException:
                 # Their blocks will not be kept: release their epochs' references
@@ -432,6 +459,7 @@ class CpuBackend:
                 if not isinstance(r, BaseException):
                     for rec in r:
                         self._sealer.forget(rec.epoch)
+            note_written(errors[0], set().union(*started))
             raise errors[0]
         return [rec for r in results if not isinstance(r, BaseException) for rec in r]
 

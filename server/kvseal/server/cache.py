@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from kvseal.server import telemetry
-from kvseal.server.backend import Backend, BlockIO, Region
+from kvseal.server.backend import Backend, BlockIO, Region, written_positions
 from kvseal.server.config import IntegrityPolicy, ServerConfig
 from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import (
@@ -434,8 +434,10 @@ class SealedCache:
                         if blocks
                         else []
                     )
-            except BaseException:
-                self.index.complete_store(plan.new, [None] * len(plan.new))
+            except BaseException as exc:
+                # Victims whose bytes no new block may have overwritten come
+                # back exactly as they were: a failed store evicts nothing else.
+                self.index.abort_store(plan, written_positions(exc, len(plan.new)))
                 raise
             try:
                 if not self._serving:  # stopped (abort) while sealing: publish nothing
@@ -443,7 +445,7 @@ class SealedCache:
                 # Publishing is this request's commit (kvseal.server.deadline).
                 deadline.check_commit("publishing the sealed blocks")
             except BaseException:
-                self.index.complete_store(plan.new, [None] * len(plan.new))
+                self.index.abort_store(plan, range(len(plan.new)))  # every block was written
                 for rec in records:
                     self.sealer.forget(rec.epoch)
                 raise

@@ -8,7 +8,8 @@ another request's KV and a late read could seal another request's bytes under
 this request's hashes (cache poisoning).
 
 The daemon's half of that contract lives here. A request's *cutoff* is its
-gRPC deadline minus the ``grace_ms`` the client declared: the client does not
+gRPC deadline minus the ``grace_ms`` the client declared (or, if earlier, the
+client's own timeout ``budget_us`` after the request started): the client does not
 report a failure of its own (local deadline, lost connection) before the gRPC
 deadline, so every page touch that starts before the cutoff ends before the
 client can give up, as long as one touch (one block) and the request's transit
@@ -76,14 +77,26 @@ class Deadline:
         grace_s: float,
         cancelled: threading.Event | None,
         stopping: threading.Event | None,
+        budget_s: float = 0.0,
     ) -> Deadline:
         """The deadline of an RPC with ``time_remaining`` seconds left on its
-        gRPC deadline (None or huge: none) whose client declared ``grace_s``."""
-        if time_remaining is None or time_remaining > 1e7:
-            return cls(None, cancelled, stopping)
+        gRPC deadline (None or huge: none) whose client declared ``grace_s``
+        and, optionally, its own timeout ``budget_s`` (0: none).
+
+        Each bound errs late, in a different way: gRPC rounds the deadline it
+        transmits up (~0.1 s at 30 s), and the budget counts from when the
+        handler started, not from when the request arrived. The earlier wins.
+        """
         now = time.monotonic()
-        hard = now + time_remaining
-        return cls(hard - grace_s, cancelled, stopping, commit_by=hard - grace_s / 2)
+        ends: list[float] = []
+        if time_remaining is not None and time_remaining < 1e7:
+            ends.append(now + time_remaining - grace_s)
+        if budget_s > 0:
+            ends.append(now + budget_s)
+        if not ends:
+            return cls(None, cancelled, stopping)
+        cutoff = min(ends)
+        return cls(cutoff, cancelled, stopping, commit_by=cutoff + grace_s / 2)
 
     def remaining(self) -> float | None:
         """Seconds left before the cutoff (negative once passed), or None."""

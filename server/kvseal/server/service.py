@@ -166,7 +166,7 @@ def handler(fn: Callable[..., R]) -> Callable[..., R]:
 
 
 def _transfer_deadline(
-    context: grpc.ServicerContext, grace_ms: int, stopping: threading.Event
+    context: grpc.ServicerContext, grace_ms: int, budget_us: int, stopping: threading.Event
 ) -> Deadline:
     """The engine-contract deadline of an Offload/Restore (``kvseal.server.deadline``):
     its gRPC deadline less the client's grace, cancelled when the RPC ends early."""
@@ -177,7 +177,9 @@ def _transfer_deadline(
     # means it is over already.
     if not context.add_callback(cancelled.set):
         cancelled.set()
-    return Deadline.for_rpc(context.time_remaining(), grace_ms / 1000, cancelled, stopping)
+    return Deadline.for_rpc(
+        context.time_remaining(), grace_ms / 1000, cancelled, stopping, budget_us / 1e6
+    )
 
 
 class KVSealServicer(pb_grpc.KVSealServicer):
@@ -227,7 +229,9 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             list(request.block_hashes),
             list(request.page_ids),
             wait_event=request.cuda_event_ipc_handle or None,
-            deadline=_transfer_deadline(context, request.grace_ms, self.cache.backend.stopping),
+            deadline=_transfer_deadline(
+                context, request.grace_ms, request.budget_us, self.cache.backend.stopping
+            ),
         )
         return pb.OffloadReply(
             outcomes=[convert.OUTCOME_ENUMS[o] for o in res.outcomes],
@@ -245,7 +249,9 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             list(request.page_ids),
             release=request.release,
             wait_event=request.cuda_event_ipc_handle or None,
-            deadline=_transfer_deadline(context, request.grace_ms, self.cache.backend.stopping),
+            deadline=_transfer_deadline(
+                context, request.grace_ms, request.budget_us, self.cache.backend.stopping
+            ),
         )
         return pb.RestoreReply(
             restored_blocks=res.restored_blocks, restored_bytes=res.restored_bytes

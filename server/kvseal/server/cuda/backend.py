@@ -54,7 +54,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from kvseal.server.backend import BlockIO, Region
+from kvseal.server.backend import BlockIO, Region, note_written
 from kvseal.server.cuda.emulated import (
     AAD_BYTES,
     MAX_BLOCK_BYTES,
@@ -1521,7 +1521,11 @@ class CudaBackend:
                 except BaseException as e:
                     self._failed(e)
                     raise
-                deadline.check("the first page")  # the lock may have taken a while
+                try:
+                    deadline.check("the first page")  # the lock may have taken a while
+                except BaseException as e:
+                    note_written(e, set())
+                    raise
                 epoch, nonces = self._sealer.allocate_for_device(len(blocks))
                 try:
                     return self._seal_locked(pool, blocks, region, epoch, nonces, deadline)
@@ -1575,7 +1579,13 @@ class CudaBackend:
         for ci, (a, b) in enumerate(chunks):
             # Each chunk is a bounded unit of page reads; a failed check stops here
             # and the caller drains what is queued (the chunks before this one).
-            deadline.check(f"blocks [{a}, {b})")
+            try:
+                deadline.check(f"blocks [{a}, {b})")
+            except BaseException as e:
+                # No D2H copy is queued yet: the region holds nothing of this
+                # request, unless the kernels write it directly (mapped).
+                note_written(e, set(range(a)) if mapped else set())
+                raise
             self._launch("kvseal_seal", self._batch(key, pool, desc, lay, staging, a, b), sk)
             d.record(self._event(ci), sk)
         # Only now the D2H copies: under CC each one blocks this thread at issue,
