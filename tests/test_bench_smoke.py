@@ -43,3 +43,22 @@ def test_bench_cpu_quick_runs_and_prints_the_table() -> None:
     if os.path.isdir("/dev/shm"):
         leaked = {n for n in os.listdir("/dev/shm") if n.startswith("kvseal-bench")} - shm_before
         assert not leaked
+
+
+def test_leak_surface_quick_runs() -> None:
+    """``make leak-surface ARGS=--quick`` runs against a real daemon and
+    prints its report (the figures themselves live in docs/threat-model.md)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "bench" / "leak_surface.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "## kvseal leak surface" in out.stdout
