@@ -162,6 +162,7 @@ class Fuzzer:
         self.tracked: dict[str, Tracked] = {}
         self.scratch: Tracked | None = None
         self.regpool: SharedKVPool | None = None
+        self.extra_pools: list[SharedKVPool] = []
         rnd = random.Random(seed)
         self.tenants = [rnd.randbytes(32) for _ in range(TENANTS)]
         self.universe: dict[str, list[list[list[bytes]]]] = {
@@ -386,6 +387,8 @@ class Fuzzer:
                 t.pool.close()
         if self.regpool is not None:
             self.regpool.close()
+        for p in self.extra_pools:
+            p.close()
 
     # ------------------------------------------------------------ run
 
@@ -601,6 +604,9 @@ class Worker:
         self.t = t
         self.rnd = random.Random(fz.seed * 1000 + t)
         self.pages = list(range(t * PAGES_PER_THREAD, (t + 1) * PAGES_PER_THREAD))
+        # This thread's own pool for pool lifecycles (no other thread writes it).
+        self.life = SharedKVPool(KVShape(num_pages=4, **SMALL), "vllm_per_layer", "kvseal-fuzz")
+        fz.extra_pools.append(self.life)
         self.k = 0
         self.ops: list[tuple[Callable[[], None], float]] = [
             (self.op_lookup, 12),
@@ -697,6 +703,10 @@ class Worker:
             t.pool.write_block(p, data)
             self.fz.expect[(t.key, p)] = data
         parent = chain[i - 1] if i > 0 and self.rnd.random() < 0.9 else b""
+        if self.rnd.random() < 0.1:
+            # Chains that lie: a parent from elsewhere in the chain, even a block
+            # of this batch or the block itself (no cycle may come of it).
+            parent = self.rnd.choice(chain)
         req = pb.OffloadRequest(
             pool_id=t.pool_id,
             tenant=tenant,
@@ -824,52 +834,60 @@ class Worker:
             )
 
     def _register(
-        self, name: str, token: bytes = b"", fp: bytes = b"fz-life"
+        self,
+        name: str,
+        token: bytes = b"",
+        fp: bytes = b"fz-life",
+        pool: SharedKVPool | None = None,
     ) -> pb.RegisterPoolRequest:
-        assert self.fz.regpool is not None
+        pool = pool if pool is not None else self.fz.regpool
+        assert pool is not None
         return pb.RegisterPoolRequest(
             name=name,
             model_fingerprint=fp,
-            geometry=self.fz.regpool.geometry(),
+            geometry=pool.geometry(),
             backend=pb.BACKEND_CPU,
             owner_token=token,
         )
 
     def op_lifecycle(self) -> None:
-        """Register, hold, a competing registration (refused), then either the
-        owner replaces it (the hold ends OK) or the holder leaves (the daemon
-        unregisters the pool)."""
+        """A pool's whole life on this thread's own small pool: register, move
+        blocks through it, hold it, a competing registration (refused), a
+        watcher; then either the owner replaces it (the hold ends OK, the
+        watcher ends NOT_FOUND) or the holder leaves while a transfer runs on
+        it (the daemon unregisters the pool)."""
         fz = self.fz
         self.k += 1
         name = f"fz-life-{self.t}-{self.k}"
-        res = fz.call("RegisterPool", ser(self._register(name)), "valid", frozenset({OK_, FULL}))
+        reg = ser(self._register(name, pool=self.life))
+        res = fz.call("RegisterPool", reg, "valid", frozenset({OK_, FULL}))
         if res.reply is None:
             return
         rep = pb.RegisterPoolReply.FromString(res.reply)
-        call: Any = fz.streams["HoldPool"](ser(pb.HoldPoolRequest(pool_id=rep.pool_id)), timeout=10)
+        pid = rep.pool_id
+        unregister = ser(pb.UnregisterPoolRequest(pool_id=pid))
+        self._life_transfer(pid, frozenset({OK_, FULL}))
+        call: Any = fz.streams["HoldPool"](ser(pb.HoldPoolRequest(pool_id=pid)), timeout=10)
         try:
             first = next(call)
             fz.check(
                 "HoldPool: first reply names the pool",
-                pb.HoldPoolReply.FromString(first).pool_id == rep.pool_id,
+                pb.HoldPoolReply.FromString(first).pool_id == pid,
             )
         except grpc.RpcError as e:
             fz._record("HoldPool", "valid", fz._error(e), frozenset({FULL}), "hold")
-            fz.call(
-                "UnregisterPool",
-                ser(pb.UnregisterPoolRequest(pool_id=rep.pool_id)),
-                "valid",
-                frozenset({OK_}),
-            )
+            fz.call("UnregisterPool", unregister, "valid", frozenset({OK_}))
             return
-        fz.call("RegisterPool", ser(self._register(name)), "valid", frozenset({TAKEN}), "taken")
-        lookup = ser(
-            pb.LookupRequest(pool_id=rep.pool_id, tenant=fz.tenants[0], block_hashes=[bytes(32)])
-        )
+        fz.call("RegisterPool", reg, "valid", frozenset({TAKEN}), "taken")
+        lookup = ser(pb.LookupRequest(pool_id=pid, tenant=fz.tenants[0], block_hashes=[bytes(32)]))
         if self.rnd.random() < 0.5:
+            watch: Any = fz.streams["WatchEvents"](
+                ser(pb.WatchEventsRequest(pool_id=pid)), timeout=10
+            )
+            token = rep.owner_token
             res2 = fz.call(
                 "RegisterPool",
-                ser(self._register(name, rep.owner_token)),
+                ser(self._register(name, token, pool=self.life)),
                 "valid",
                 frozenset({OK_}),
                 "owner",
@@ -881,16 +899,27 @@ class Worker:
             except grpc.RpcError as e:
                 hold_res = fz._error(e)
             fz._record("HoldPool", "valid", hold_res, frozenset({OK_}), "hold ends when replaced")
+            try:
+                list(watch)
+                watch_res = Result(OK, "", None)
+            except grpc.RpcError as e:
+                watch_res = fz._error(e)
+            fz._record(
+                "WatchEvents", "valid", watch_res, frozenset({NO_POOL, FULL}), "pool replaced"
+            )
             fz.call("Lookup", lookup, "valid", frozenset({NO_POOL}), "replaced pool")
             if res2.reply is not None:
-                pid2 = pb.RegisterPoolReply.FromString(res2.reply).pool_id
-                fz.call(
-                    "UnregisterPool",
-                    ser(pb.UnregisterPoolRequest(pool_id=pid2)),
-                    "valid",
-                    frozenset({OK_}),
-                )
+                rep2 = pb.RegisterPoolReply.FromString(res2.reply)
+                fz.check("RegisterPool: the same owner keeps its token", rep2.owner_token == token)
+                self._life_transfer(rep2.pool_id, frozenset({OK_, FULL}))
+                req = ser(pb.UnregisterPoolRequest(pool_id=rep2.pool_id))
+                fz.call("UnregisterPool", req, "valid", frozenset({OK_}))
             return
+        # The holder leaves while a transfer runs on the pool.
+        racing = threading.Thread(
+            target=self._life_transfer, args=(pid, frozenset({OK_, FULL, NO_POOL, NO_BLOCK}))
+        )
+        racing.start()
         call.cancel()
         fz._record(
             "HoldPool",
@@ -899,6 +928,7 @@ class Worker:
             frozenset({(Code.CANCELLED, "")}),
             "hold",
         )
+        racing.join()
         deadline = time.monotonic() + 5
         gone = False
         while time.monotonic() < deadline:
@@ -908,6 +938,38 @@ class Worker:
                 break
             time.sleep(0.02)
         fz.check("HoldPool: the pool is unregistered once its holder leaves", gone, name)
+
+    def _life_transfer(self, pool_id: str, expect: frozenset[tuple[Code, str]]) -> None:
+        """Offload two fresh blocks from pages 0-1 of this thread's own pool and
+        restore them into pages 2-3."""
+        fz, life = self.fz, self.life
+        hashes = [self.rnd.randbytes(32) for _ in range(2)]
+        for h, p in zip(hashes, (0, 1), strict=True):
+            life.write_block(p, content(h, life.shape.block_bytes))
+        tenant = fz.tenants[1]
+        off = pb.OffloadRequest(
+            pool_id=pool_id, tenant=tenant, block_hashes=hashes, page_ids=[0, 1], grace_ms=1000
+        )
+        res = fz.call("Offload", ser(off), "valid", expect, "new pool")
+        if res.code is not OK:
+            return
+        for p in (2, 3):
+            life.fill_page(p, POISON)
+        rst = pb.RestoreRequest(
+            pool_id=pool_id, tenant=tenant, block_hashes=hashes, page_ids=[2, 3], grace_ms=1000
+        )
+        res = fz.call("Restore", ser(rst), "valid", expect | {NO_BLOCK}, "new pool")
+        poison = bytes([POISON]) * life.shape.block_bytes
+        for h, p in zip(hashes, (2, 3), strict=True):
+            want, got = content(h, life.shape.block_bytes), life.read_block(p)
+            if res.code is OK:
+                fz.check("successful restores deliver byte-exact blocks", got == want, "life")
+            else:
+                fz.check(
+                    "failed restores leave pages as they were or holding their verified block",
+                    got in (poison, want),
+                    "life",
+                )
 
     # ------------------------------------------------------------ invalid calls
 
