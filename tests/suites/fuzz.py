@@ -81,6 +81,11 @@ UNUSABLE = (Code.FAILED_PRECONDITION, "HANDLE_UNUSABLE")
 MISMATCH = (Code.FAILED_PRECONDITION, "BACKEND_MISMATCH")
 TAKEN = (Code.ALREADY_EXISTS, "POOL_NAME_TAKEN")
 OK_ = (OK, "")
+# Statuses only the daemon itself sends: each carries its reason.
+DAEMON_CODES = frozenset(
+    {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.ALREADY_EXISTS}
+)
+REASONS = frozenset(pb.ErrorReason.keys()) - {"ERROR_REASON_UNSPECIFIED"}
 # A status and reason a request may get; reason "*" matches any.
 Expect = frozenset[tuple[Code, str]] | None  # None: any status but INTERNAL / UNKNOWN
 
@@ -207,6 +212,17 @@ class Fuzzer:
         what = f"{cls} {rpc} [{label}]: got {res.code.name}/{res.reason or '-'} {res.details[:120]}"
         self.check("no INTERNAL status", res.code is not Code.INTERNAL, what)
         self.check("no UNKNOWN status (unhandled exception)", res.code is not Code.UNKNOWN, what)
+        if res.code in DAEMON_CODES or res.reason:
+            self.check(
+                "errors carry a known kvseal-error reason",
+                res.reason in REASONS,
+                what,
+            )
+            self.check(
+                "error messages are bounded printable ASCII (<= 1024 chars)",
+                len(res.details) <= 1024 and all(" " <= ch <= "~" for ch in res.details),
+                f"{cls} {rpc} [{label}]: {len(res.details)} chars {res.details[:80]!r}",
+            )
         if expect is None:
             ok = res.code not in (Code.INTERNAL, Code.UNKNOWN)
         else:
