@@ -1346,7 +1346,11 @@ class Worker:
         label = "+".join(names)
         expect: Expect = frozenset({INVALID}) if parsed is None else None
         if rpc in STREAMS:
-            fz.stream(rpc, data, "mutated", expect, label, timeout=0.3, max_msgs=1)
+            # A body that parses may open a live stream: read briefly. One that
+            # does not must be refused, so wait for the refusal (a loaded
+            # machine can take longer than a brief read).
+            wait = 0.3 if parsed is not None else 10.0
+            fz.stream(rpc, data, "mutated", expect, label, timeout=wait, max_msgs=1)
             return
         res = fz.call(rpc, data, "mutated", expect, label)
         if res.code is OK and rpc == "RegisterPool":
