@@ -61,7 +61,7 @@ class DaemonProc:
 
 
 def wait_serving(
-    target: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 20.0
+    target: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 60.0
 ) -> None:
     deadline = time.monotonic() + timeout
     with KVSealClient(ClientConfig(target=target, timeout_s=0.5)) as c:
