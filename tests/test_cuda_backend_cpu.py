@@ -57,7 +57,7 @@ from kvseal.server.errors import (
 )
 from kvseal.server.hostregion import Extent, align_up
 from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec
-from kvseal.server.sealing import BlockAD, BlockSealer, SealingError, _Epoch
+from kvseal.server.sealing import BlockAD, BlockSealer
 
 
 @pytest.fixture(scope="module")
@@ -79,33 +79,12 @@ def known_key(epoch: int) -> bytes:
 
 
 class DeviceSealer(BlockSealer):
-    def _new_epoch(self, index: int) -> _Epoch:
-        epoch = super()._new_epoch(index)
-        epoch.aead = AESGCM(known_key(index))
-        return epoch
+    """The production sealer (scopes, epochs, arena, device key API), with each
+    epoch's key derived from its (globally unique) id instead of drawn from
+    getrandom, so that tests can compare with AESGCM directly."""
 
-    def allocate_for_device(self, n: int) -> tuple[int, list[bytes]]:
-        with self._lock:
-            epoch = self._current
-            if epoch.counter + n > self.rekey_after:
-                old = epoch
-                epoch = self._current = self._new_epoch(old.index + 1)
-                if old.live == 0:
-                    del self._epochs[old.index]
-            nonces = [epoch.prefix + struct.pack(">Q", epoch.counter + i) for i in range(n)]
-            epoch.counter += n
-            epoch.live += n
-            return epoch.index, nonces
-
-    def export_key_to(self, epoch: int, dst: ctypes.Array[ctypes.c_char]) -> None:
-        with self._lock:
-            if epoch not in self._epochs:
-                raise SealingError(f"key epoch {epoch} is gone")
-        ctypes.memmove(dst, known_key(epoch), 32)
-
-    def live_epoch_ids(self) -> frozenset[int]:
-        with self._lock:
-            return frozenset(self._epochs)
+    def _generate_key(self, epoch_index: int, dst: ctypes.Array[ctypes.c_char]) -> None:
+        ctypes.memmove(dst, known_key(epoch_index), 32)
 
     def live_blocks(self, epoch: int) -> int:
         with self._lock:
@@ -605,10 +584,10 @@ def test_stuck_engine_event_times_out_without_blocking_other_requests(
         recs = backend.seal_blocks(pool, r.blocks([0]), region)
         stuck = b"\xee" * 64
         dev.pending_events.add(stuck)
-        drawn = sealer._current.counter
+        drawn = sealer.seals_under_current_key
         with pytest.raises(EngineNotReady, match=r"did not complete within 0\.2 s"):
             backend.seal_blocks(pool, r.blocks([1], first_slot=1), region, wait_event=stuck)
-        assert sealer._current.counter == drawn  # no nonce drawn (not merely burnt)
+        assert sealer.seals_under_current_key == drawn  # no nonce drawn (not merely burnt)
         r.poison(0)
         poisoned = r.read(0)
         with pytest.raises(EngineNotReady):
@@ -983,7 +962,7 @@ def test_seal_stops_at_every_boundary_and_leaves_nothing(
             region.read_into(b.extent.offset, memoryview(ct))
             assert bytes(ct) + rec.tag == sealed
         for at in range(1, counting.calls + 1):
-            live, drawn = _live(sealer), sealer._current.counter
+            live, drawn = _live(sealer), sealer.seals_under_current_key
             dev.launches.clear()
             dl = CountdownDeadline(at, how)
             with pytest.raises(_RAISED[how]):
@@ -995,7 +974,7 @@ def test_seal_stops_at_every_boundary_and_leaves_nothing(
             # chunk kernels queued only for the checks that passed before them
             assert len(seals) == max(0, min(chunks, at - 1 - int(event) - 1))
             if at <= int(event) + 1:
-                assert sealer._current.counter == drawn  # failed before drawing any
+                assert sealer.seals_under_current_key == drawn  # failed before drawing any
     finally:
         backend.close()
 
@@ -1098,12 +1077,12 @@ def test_engine_event_wait_ends_at_the_cutoff_or_on_cancellation(emu: E.Emulator
         recs = backend.seal_blocks(pool, r.blocks([0]), region)
         stuck = b"\xee" * 64
         dev.pending_events.add(stuck)
-        drawn = sealer._current.counter
+        drawn = sealer.seals_under_current_key
         with pytest.raises(DeadlinePassed):
             backend.seal_blocks(
                 pool, r.blocks([1], first_slot=1), region, stuck, deadline=Deadline.after(0.05)
             )
-        assert sealer._current.counter == drawn
+        assert sealer.seals_under_current_key == drawn
         r.poison(0)
         poisoned = r.read(0)
         with pytest.raises(DeadlinePassed):

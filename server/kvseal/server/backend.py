@@ -129,6 +129,12 @@ class Backend(Protocol):
         deadline: Deadline = NO_DEADLINE,
     ) -> list[int]: ...
 
+    def retire_keys(self) -> None:
+        """Wipe every copy the backend holds of keys the sealer destroyed (a
+        crypto-erasing drop): called right after ``BlockSealer.destroy_scope``.
+        May wait for a request in flight; never raises."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -510,6 +516,10 @@ class CpuBackend:
             if not failed:
                 if self.stopping.is_set():  # e.g. another request saw an integrity failure
                     raise ShuttingDown("kvseal stopped serving; nothing was restored")
+                # A drop that destroyed these keys since they opened: serve nothing
+                # (KeyDestroyed). Once the scatter starts the restore is committed
+                # and counts as having happened before such a drop.
+                self._sealer.require_live({r.epoch for r in records})
                 # The scatter is the restore's commit: it starts only before the
                 # cutoff, then runs to ``commit_by`` (see kvseal.server.deadline).
                 deadline.check("the first destination page")
@@ -530,6 +540,10 @@ class CpuBackend:
             staging.release()
             self._staging.give(staging_buf)
         return failed
+
+    def retire_keys(self) -> None:
+        """Nothing to do: the CPU backend keeps no key copies of its own (the
+        sealer's ``AESGCM`` objects are the only ones, dropped with the scope)."""
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
