@@ -57,7 +57,7 @@ from kvseal.server.errors import (
 )
 from kvseal.server.hostregion import Extent, align_up
 from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec
-from kvseal.server.sealing import BlockAD, BlockSealer
+from kvseal.server.sealing import BlockAD, BlockSealer, KeyDestroyed
 
 
 @pytest.fixture(scope="module")
@@ -1377,3 +1377,95 @@ def test_check_no_alias_is_exact_about_extents() -> None:
     check_no_alias([(1, 0, 400), (1, 50, 450)], two, 4)
     with pytest.raises(BadRequest):
         check_no_alias([(1, 0, 400), (1, 40, 440)], two, 4)
+
+
+# --------------------------------------------------------------------------------------
+# Key scopes: device batches are single-scope; a destroyed scope's device key contexts
+# are wiped at once and nothing is restored under them
+# --------------------------------------------------------------------------------------
+
+TENANT_B = b"B" * 32
+
+
+def _of_tenant(blocks: list[BlockIO], tenant: bytes) -> list[BlockIO]:
+    return [
+        BlockIO(b.page, b.extent, BlockAD(b.ad.namespace, tenant, b.ad.block_hash, 1), b.size)
+        for b in blocks
+    ]
+
+
+def test_seal_batch_must_be_single_scope(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    backend, _dev, sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    blocks = r.blocks([0, 1])
+    mixed = [blocks[0], *_of_tenant(blocks[1:], TENANT_B)]
+    with pytest.raises(ValueError, match="one namespace and one tenant"):
+        backend.seal_blocks(pool, mixed, region)
+    assert sealer.live_epochs == 0  # no nonce was drawn, no key made
+
+
+def test_destroyed_scope_wipes_device_keys_at_once_and_never_restores(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    backend, dev, sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    mine = r.blocks([0, 1])
+    theirs = _of_tenant(r.blocks([2, 3], first_slot=2), TENANT_B)
+    rec_a = backend.seal_blocks(pool, mine, region)
+    rec_b = backend.seal_blocks(pool, theirs, region)
+    assert backend.open_blocks(pool, mine, rec_a, region) == []  # both contexts exist
+    ea, eb = rec_a[0].epoch, rec_b[0].epoch
+    assert ea != eb and {ea, eb} <= set(backend._keys)
+    ctx_a = backend._keys[ea]
+    ctx_mem = dev._mem[ctx_a]  # the emulated device memory behind A's key context
+    assert bytes(ctx_mem) != bytes(len(ctx_mem))
+
+    assert sealer.destroy_scope(NS, TENANT) == 1
+    backend.retire_keys()  # what the cache's Drop(all_of_tenant) does next
+    assert ea not in backend._keys and ctx_a not in dev._mem
+    assert bytes(ctx_mem) == bytes(len(ctx_mem)), "device key context freed unwiped"
+    assert eb in backend._keys
+
+    plain = {b.page: r.read(b.page) for b in mine + theirs}
+    for b in mine + theirs:
+        r.poison(b.page)
+    poisoned = {b.page: r.read(b.page) for b in mine}
+    with pytest.raises(KeyDestroyed):
+        backend.open_blocks(pool, mine, rec_a, region)
+    assert all(r.read(p) == poisoned[p] for p in poisoned), "a dropped tenant was restored"
+    assert backend.open_blocks(pool, theirs, rec_b, region) == []
+    assert all(r.read(b.page) == plain[b.page] for b in theirs)
+
+
+def test_drop_after_verification_before_the_open_pass_writes_nothing(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race: the device key context is still there (the drop waits for the
+    backend lock to retire it), the blocks verified, and only then the scope is
+    destroyed. The open pass must not run."""
+    backend, _dev, sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    blocks = r.blocks([0, 1, 2])
+    records = backend.seal_blocks(pool, blocks, region)
+    for b in blocks:
+        r.poison(b.page)
+    poisoned = {b.page: r.read(b.page) for b in blocks}
+    real_await = backend._await_event
+
+    def await_then_drop(engine: object, deadline: Deadline) -> None:
+        real_await(engine, deadline)
+        sealer.destroy_scope(NS, TENANT)
+
+    monkeypatch.setattr(backend, "_await_event", await_then_drop)
+    launches = backend.launches
+    with pytest.raises(KeyDestroyed):
+        backend.open_blocks(pool, blocks, records, region)
+    assert backend.launches - launches == len(
+        split_chunks(3, r.block_bytes, backend.max_chunks, backend.min_chunk_bytes)
+    )  # verify launches only
+    assert all(r.read(p) == poisoned[p] for p in poisoned)
