@@ -516,14 +516,14 @@ class CpuBackend:
             if not failed:
                 if self.stopping.is_set():  # e.g. another request saw an integrity failure
                     raise ShuttingDown("kvseal stopped serving; nothing was restored")
-                # A drop that destroyed these keys since they opened: serve nothing
-                # (KeyDestroyed). Once the scatter starts the restore is committed
-                # and counts as having happened before such a drop.
-                self._sealer.require_live({r.epoch for r in records})
                 # The scatter is the restore's commit: it starts only before the
                 # cutoff, then runs to ``commit_by`` (see kvseal.server.deadline).
                 deadline.check("the first destination page")
                 pool.check()
+                # Last, right before the first page write: a drop that destroyed these
+                # keys since they opened makes the restore serve nothing (KeyDestroyed);
+                # once the scatter starts, the restore counts as done before the drop.
+                self._sealer.require_live({r.epoch for r in records})
                 with telemetry.stage("scatter"):
 
                     def scatter(a: int, b: int) -> list[None]:

@@ -1767,13 +1767,13 @@ class CudaBackend:
                 return sorted(perm[j] for j in range(n) if flags[j] != 1)
         if self.stopping.is_set():  # an integrity abort elsewhere: write no page
             raise ShuttingDown("kvseal stopped serving; nothing was restored")
-        # A drop destroyed these keys since the request began: write no page
-        # (KeyDestroyed). Once the open pass is queued the restore is committed and
-        # counts as having happened before such a drop.
-        self._sealer.require_live(keys)
         # The last check: once the open pass is queued it runs to its end (all
         # epochs' launches back to back), and the reply waits for it.
         deadline.check("the destination pages")
+        # Right before the open pass: a drop that destroyed these keys since the
+        # request began makes it write no page (KeyDestroyed). Once the pass is
+        # queued the restore is committed and counts as done before such a drop.
+        self._sealer.require_live(keys)
         for e, g0, g1 in groups:
             batch = self._batch(keys[e], pool, desc, lay, staging, g0, g1, all_or_nothing=True)
             self._launch("kvseal_open", batch, sk)
