@@ -415,8 +415,9 @@ class BlockSealer:
 
     @property
     def current_epoch(self) -> int:
-        """Id of the newest key epoch of any scope (0 before the first seal)."""
-        return max(0, self._next_epoch - 1)
+        """Id of the newest key epoch of any scope (0 before the first seal),
+        saturating at 2**32 - 1 (the Stats field is 32 bits; ids keep counting)."""
+        return min(max(0, self._next_epoch - 1), 2**32 - 1)
 
     @property
     def seals_under_current_key(self) -> int:
