@@ -182,9 +182,8 @@ class _KeyArena:
     64 KiB on older systems) at a few thousand tenants; here one page holds 128
     keys. The arena grows by one page whenever every slot is taken, up to
     ``max_keys`` slots rounded up to whole pages (then :class:`KeysExhausted`),
-    keeps its pages until
-    :meth:`close` (so it stays at the peak number of live keys, 32 bytes each),
-    and reuses freed slots first. A page ``mlock`` refuses (over the limit) is
+    keeps its pages until :meth:`close` (so it stays at the peak number of live
+    keys, 32 bytes each), and reuses freed slots first. A page ``mlock`` refuses (over the limit) is
     used unlocked and logged once: keys stay out of Python objects either way,
     but may then reach swap (see the README on swap in a CVM). Pages are also
     excluded from core dumps and wiped in a forked child.
