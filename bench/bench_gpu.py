@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -99,7 +99,9 @@ class BenchKeys:
         self._counter = 0
         self._lock = threading.Lock()
 
-    def allocate_for_device(self, n: int) -> tuple[int, list[bytes]]:
+    def allocate_for_device(
+        self, n: int, scope: tuple[bytes, bytes] = (b"", b"")
+    ) -> tuple[int, list[bytes]]:
         with self._lock:
             c, self._counter = self._counter, self._counter + n
         return 0, [self._prefix + struct.pack(">Q", c + i) for i in range(n)]
@@ -111,6 +113,10 @@ class BenchKeys:
 
     def live_epoch_ids(self) -> frozenset[int]:
         return frozenset({0})
+
+    def require_live(self, epoch_ids: Iterable[int]) -> None:
+        if any(e != 0 for e in epoch_ids):
+            raise SealingError("no such epoch")
 
     def forget(self, epoch_index: int) -> None:
         pass

@@ -57,7 +57,7 @@ from kvseal.server.errors import (
 )
 from kvseal.server.hostregion import Extent, align_up
 from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec
-from kvseal.server.sealing import BlockAD, BlockSealer, SealingError, _Epoch
+from kvseal.server.sealing import BlockAD, BlockSealer, KeyDestroyed
 
 
 @pytest.fixture(scope="module")
@@ -79,33 +79,12 @@ def known_key(epoch: int) -> bytes:
 
 
 class DeviceSealer(BlockSealer):
-    def _new_epoch(self, index: int) -> _Epoch:
-        epoch = super()._new_epoch(index)
-        epoch.aead = AESGCM(known_key(index))
-        return epoch
+    """The production sealer (scopes, epochs, arena, device key API), with each
+    epoch's key derived from its (globally unique) id instead of drawn from
+    getrandom, so that tests can compare with AESGCM directly."""
 
-    def allocate_for_device(self, n: int) -> tuple[int, list[bytes]]:
-        with self._lock:
-            epoch = self._current
-            if epoch.counter + n > self.rekey_after:
-                old = epoch
-                epoch = self._current = self._new_epoch(old.index + 1)
-                if old.live == 0:
-                    del self._epochs[old.index]
-            nonces = [epoch.prefix + struct.pack(">Q", epoch.counter + i) for i in range(n)]
-            epoch.counter += n
-            epoch.live += n
-            return epoch.index, nonces
-
-    def export_key_to(self, epoch: int, dst: ctypes.Array[ctypes.c_char]) -> None:
-        with self._lock:
-            if epoch not in self._epochs:
-                raise SealingError(f"key epoch {epoch} is gone")
-        ctypes.memmove(dst, known_key(epoch), 32)
-
-    def live_epoch_ids(self) -> frozenset[int]:
-        with self._lock:
-            return frozenset(self._epochs)
+    def _generate_key(self, epoch_index: int, dst: ctypes.Array[ctypes.c_char]) -> None:
+        ctypes.memmove(dst, known_key(epoch_index), 32)
 
     def live_blocks(self, epoch: int) -> int:
         with self._lock:
@@ -605,10 +584,10 @@ def test_stuck_engine_event_times_out_without_blocking_other_requests(
         recs = backend.seal_blocks(pool, r.blocks([0]), region)
         stuck = b"\xee" * 64
         dev.pending_events.add(stuck)
-        drawn = sealer._current.counter
+        drawn = sealer.seals_under_current_key
         with pytest.raises(EngineNotReady, match=r"did not complete within 0\.2 s"):
             backend.seal_blocks(pool, r.blocks([1], first_slot=1), region, wait_event=stuck)
-        assert sealer._current.counter == drawn  # no nonce drawn (not merely burnt)
+        assert sealer.seals_under_current_key == drawn  # no nonce drawn (not merely burnt)
         r.poison(0)
         poisoned = r.read(0)
         with pytest.raises(EngineNotReady):
@@ -983,7 +962,7 @@ def test_seal_stops_at_every_boundary_and_leaves_nothing(
             region.read_into(b.extent.offset, memoryview(ct))
             assert bytes(ct) + rec.tag == sealed
         for at in range(1, counting.calls + 1):
-            live, drawn = _live(sealer), sealer._current.counter
+            live, drawn = _live(sealer), sealer.seals_under_current_key
             dev.launches.clear()
             dl = CountdownDeadline(at, how)
             with pytest.raises(_RAISED[how]):
@@ -995,7 +974,7 @@ def test_seal_stops_at_every_boundary_and_leaves_nothing(
             # chunk kernels queued only for the checks that passed before them
             assert len(seals) == max(0, min(chunks, at - 1 - int(event) - 1))
             if at <= int(event) + 1:
-                assert sealer._current.counter == drawn  # failed before drawing any
+                assert sealer.seals_under_current_key == drawn  # failed before drawing any
     finally:
         backend.close()
 
@@ -1098,12 +1077,12 @@ def test_engine_event_wait_ends_at_the_cutoff_or_on_cancellation(emu: E.Emulator
         recs = backend.seal_blocks(pool, r.blocks([0]), region)
         stuck = b"\xee" * 64
         dev.pending_events.add(stuck)
-        drawn = sealer._current.counter
+        drawn = sealer.seals_under_current_key
         with pytest.raises(DeadlinePassed):
             backend.seal_blocks(
                 pool, r.blocks([1], first_slot=1), region, stuck, deadline=Deadline.after(0.05)
             )
-        assert sealer._current.counter == drawn
+        assert sealer.seals_under_current_key == drawn
         r.poison(0)
         poisoned = r.read(0)
         with pytest.raises(DeadlinePassed):
@@ -1398,3 +1377,95 @@ def test_check_no_alias_is_exact_about_extents() -> None:
     check_no_alias([(1, 0, 400), (1, 50, 450)], two, 4)
     with pytest.raises(BadRequest):
         check_no_alias([(1, 0, 400), (1, 40, 440)], two, 4)
+
+
+# --------------------------------------------------------------------------------------
+# Key scopes: device batches are single-scope; a destroyed scope's device key contexts
+# are wiped at once and nothing is restored under them
+# --------------------------------------------------------------------------------------
+
+TENANT_B = b"B" * 32
+
+
+def _of_tenant(blocks: list[BlockIO], tenant: bytes) -> list[BlockIO]:
+    return [
+        BlockIO(b.page, b.extent, BlockAD(b.ad.namespace, tenant, b.ad.block_hash, 1), b.size)
+        for b in blocks
+    ]
+
+
+def test_seal_batch_must_be_single_scope(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    backend, _dev, sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    blocks = r.blocks([0, 1])
+    mixed = [blocks[0], *_of_tenant(blocks[1:], TENANT_B)]
+    with pytest.raises(ValueError, match="one namespace and one tenant"):
+        backend.seal_blocks(pool, mixed, region)
+    assert sealer.live_epochs == 0  # no nonce was drawn, no key made
+
+
+def test_destroyed_scope_wipes_device_keys_at_once_and_never_restores(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig],
+) -> None:
+    backend, dev, sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    mine = r.blocks([0, 1])
+    theirs = _of_tenant(r.blocks([2, 3], first_slot=2), TENANT_B)
+    rec_a = backend.seal_blocks(pool, mine, region)
+    rec_b = backend.seal_blocks(pool, theirs, region)
+    assert backend.open_blocks(pool, mine, rec_a, region) == []  # both contexts exist
+    ea, eb = rec_a[0].epoch, rec_b[0].epoch
+    assert ea != eb and {ea, eb} <= set(backend._keys)
+    ctx_a = backend._keys[ea]
+    ctx_mem = dev._mem[ctx_a]  # the emulated device memory behind A's key context
+    assert bytes(ctx_mem) != bytes(len(ctx_mem))
+
+    assert sealer.destroy_scope(NS, TENANT) == 1
+    backend.retire_keys()  # what the cache's Drop(all_of_tenant) does next
+    assert ea not in backend._keys and ctx_a not in dev._mem
+    assert bytes(ctx_mem) == bytes(len(ctx_mem)), "device key context freed unwiped"
+    assert eb in backend._keys
+
+    plain = {b.page: r.read(b.page) for b in mine + theirs}
+    for b in mine + theirs:
+        r.poison(b.page)
+    poisoned = {b.page: r.read(b.page) for b in mine}
+    with pytest.raises(KeyDestroyed):
+        backend.open_blocks(pool, mine, rec_a, region)
+    assert all(r.read(p) == poisoned[p] for p in poisoned), "a dropped tenant was restored"
+    assert backend.open_blocks(pool, theirs, rec_b, region) == []
+    assert all(r.read(b.page) == plain[b.page] for b in theirs)
+
+
+def test_drop_after_verification_before_the_open_pass_writes_nothing(
+    rig: tuple[CudaBackend, EmulatedDevice, DeviceSealer, Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race: the device key context is still there (the drop waits for the
+    backend lock to retire it), the blocks verified, and only then the scope is
+    destroyed. The open pass must not run."""
+    backend, _dev, sealer, r = rig
+    region = backend.make_region(1 << 20, None)
+    pool = backend.map_pool(r.spec())
+    blocks = r.blocks([0, 1, 2])
+    records = backend.seal_blocks(pool, blocks, region)
+    for b in blocks:
+        r.poison(b.page)
+    poisoned = {b.page: r.read(b.page) for b in blocks}
+    real_await = backend._await_event
+
+    def await_then_drop(engine: object, deadline: Deadline) -> None:
+        real_await(engine, deadline)
+        sealer.destroy_scope(NS, TENANT)
+
+    monkeypatch.setattr(backend, "_await_event", await_then_drop)
+    launches = backend.launches
+    with pytest.raises(KeyDestroyed):
+        backend.open_blocks(pool, blocks, records, region)
+    assert backend.launches - launches == len(
+        split_chunks(3, r.block_bytes, backend.max_chunks, backend.min_chunk_bytes)
+    )  # verify launches only
+    assert all(r.read(p) == poisoned[p] for p in poisoned)

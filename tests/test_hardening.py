@@ -461,10 +461,12 @@ def test_failed_seal_does_not_pin_key_epochs_forever(tmp_path: Path) -> None:
         with pytest.raises(OSError):
             cache.offload(pid, t, None, _chain(2), [0, 1])
         cache.offload(pid, t, None, _chain(1, salt="x"), [2])  # rotates past both epochs
-        cache.drop(pid, t, [], all_of_tenant=True)
+        # Only the stored block's epoch is left (the failed offload's are gone).
         assert sealer.live_epoch_ids() == {sealer.current_epoch}, (
             f"keys of epochs with no block left still exist: {sorted(sealer.live_epoch_ids())}"
         )
+        cache.drop(pid, t, [], all_of_tenant=True)
+        assert sealer.live_epoch_ids() == frozenset()  # the tenant's key scope is erased
     finally:
         cache.close()
         pool.close()

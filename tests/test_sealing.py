@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import resource
 import struct
 import sys
 import threading
@@ -36,6 +37,8 @@ from kvseal.server.sealing import (
     AuthenticationFailed,
     BlockAD,
     BlockSealer,
+    KeyDestroyed,
+    KeysExhausted,
     SealingError,
     SealRecord,
     aes256gcm_encrypt_for_kat,
@@ -238,7 +241,9 @@ def test_in_place_equals_out_of_place_equals_independent_aesgcm(known_key: bytes
     block_ad = ad(generation=123456789)
     # Two sealers with the same key and nonce prefix hand out the same first nonce.
     s_out, s_in = BlockSealer(), BlockSealer()
-    s_in._current.prefix = s_out._current.prefix
+    for s in (s_out, s_in):  # open the scope (nonce 0 burnt in both)
+        s.allocate_for_device(1, block_ad.scope)
+    s_in._scopes[block_ad.scope].current.prefix = s_out._scopes[block_ad.scope].current.prefix  # type: ignore[union-attr]
 
     rec_out, c_out = seal(s_out, pt, block_ad)  # out of place
     buf = bytearray(n + TAG_BYTES)
@@ -398,6 +403,7 @@ def test_other_sealer_cannot_open() -> None:
     a, b = BlockSealer(), BlockSealer()
     pt = os.urandom(256)
     rec, sealed = seal(a, pt, ad())
+    seal(b, pt, ad())  # b has an epoch 0 of the same scope too
     with pytest.raises(AuthenticationFailed):  # independent key, same epoch index 0
         open_(b, rec, ad(), bytes(sealed))
 
@@ -504,21 +510,28 @@ def test_rekey_after_three_seals() -> None:
     assert sealer.live_epochs == 1
     with pytest.raises(SealingError):
         open_(sealer, rec, block_ad, sealed)
-    # The current epoch survives even with no live blocks.
-    sealer.forget(1)
-    assert sealer.live_epochs == 1 and sealer.current_epoch == 1
     pt1, ad1, rec1, sealed1 = blocks[3]
     assert open_(sealer, rec1, ad1, sealed1) == pt1
+    # The scope's last block is gone: the current epoch goes too (a key lives
+    # only while a block needs it); the next seal starts a fresh key.
+    sealer.forget(1)
+    assert sealer.live_epochs == 0 and sealer.live_scopes == 0
+    with pytest.raises(SealingError):
+        open_(sealer, rec1, ad1, sealed1)
+    rec2, _ = seal(sealer, b"again", ad())
+    assert rec2.epoch == 2 and _counter(rec2.nonce) == 0
 
 
 def test_rekey_drops_an_old_epoch_with_no_live_blocks_at_rollover() -> None:
     sealer = BlockSealer(rekey_after=1)
     r0, _ = seal(sealer, b"a", ad())
-    sealer.forget(0)  # epoch 0 is current: kept
+    r1, _ = seal(sealer, b"b", ad())  # rollover to epoch 1; epoch 0 still has a block
+    assert sealer.live_epochs == 2
+    sealer.forget(0)  # not current, no block left: destroyed
     assert sealer.live_epochs == 1
-    r1, _ = seal(sealer, b"b", ad())  # rollover to epoch 1; epoch 0 had no live blocks
-    assert (r0.epoch, r1.epoch) == (0, 1)
-    assert sealer.live_epochs == 1
+    r2, _ = seal(sealer, b"c", ad())  # rollover to epoch 2: epoch 1 keeps its block
+    assert (r0.epoch, r1.epoch, r2.epoch) == (0, 1, 2)
+    assert sealer.live_epoch_ids() == {1, 2}
 
 
 def test_unknown_epoch_is_sealing_error() -> None:
@@ -530,6 +543,7 @@ def test_unknown_epoch_is_sealing_error() -> None:
 
 def test_forget_unknown_epoch_is_harmless() -> None:
     sealer = BlockSealer()
+    seal(sealer, b"x", ad())
     sealer.forget(42)
     assert sealer.live_epochs == 1
 
@@ -624,22 +638,26 @@ def test_reprs_contain_no_key_material() -> None:
 
 def test_epoch_keeps_key_only_in_a_wipeable_buffer() -> None:
     sealer = BlockSealer()
+    seal(sealer, b"x", ad())
     epoch = sealer._epochs[0]
     assert set(type(epoch).__slots__) == {
-        "_key",
-        "_locked",
+        "_arena",
+        "_slot",
         "aead",
         "counter",
+        "destroyed",
         "index",
         "live",
         "prefix",
+        "scope",
     }
-    assert isinstance(epoch._key, ctypes.Array)  # never an immutable bytes
+    assert isinstance(epoch._slot, ctypes.Array)  # never an immutable bytes
     assert not hasattr(sealer, "key") and not hasattr(sealer, "_key")
     assert not hasattr(epoch, "__dict__")
-    assert bytes(epoch._key) != bytes(32)
+    addr = epoch.slot_address
+    assert ctypes.string_at(addr, 32) != bytes(32)
     epoch.destroy()
-    assert bytes(epoch._key) == bytes(32)
+    assert ctypes.string_at(addr, 32) == bytes(32) and epoch.slot_address == 0
 
 
 def test_retired_epoch_drops_its_cipher_and_the_key_schedules_with_it() -> None:
@@ -649,7 +667,7 @@ def test_retired_epoch_drops_its_cipher_and_the_key_schedules_with_it() -> None:
     sealer = BlockSealer(rekey_after=1)
     seal(sealer, b"old", ad())
     old = sealer._epochs[0]
-    aead = old.aead
+    aead, addr = old.aead, old.slot_address
     assert aead is not None
     held = sys.getrefcount(aead)
     seal(sealer, b"new", ad())  # epoch 1 starts; epoch 0 still has a live block
@@ -657,7 +675,7 @@ def test_retired_epoch_drops_its_cipher_and_the_key_schedules_with_it() -> None:
     sealer.forget(0)  # its last block is gone: destroyed
     assert 0 not in sealer._epochs
     assert old.aead is None and sys.getrefcount(aead) == held - 1  # only ours is left
-    assert bytes(old._key) == bytes(32)
+    assert ctypes.string_at(addr, 32) == bytes(32)
     with pytest.raises(SealingError):
         old.cipher()
 
@@ -667,10 +685,12 @@ def test_close_wipes_every_key_and_refuses_to_seal_afterwards() -> None:
     rec, sealed = seal(sealer, b"a", ad())
     seal(sealer, b"b", ad())
     epochs = list(sealer._epochs.values())
+    addrs = [e.slot_address for e in epochs]
     assert len(epochs) == 2
     sealer.close()
     assert sealer.live_epochs == 0
-    assert all(e.aead is None and bytes(e._key) == bytes(32) for e in epochs)
+    assert all(e.aead is None and e.destroyed for e in epochs)
+    assert all(ctypes.string_at(a, 32) == bytes(32) for a in addrs)
     with pytest.raises(SealingError):
         seal(sealer, b"c", ad())
     with pytest.raises(SealingError):
@@ -681,11 +701,11 @@ def test_device_key_api_matches_host_sealing() -> None:
     """What the CUDA backend gets (nonces, exported key) seals exactly like
     the host path, and retired epochs wipe their key."""
     sealer = BlockSealer(rekey_after=4)
-    epoch, nonces = sealer.allocate_for_device(3)
+    ad = BlockAD(bytes(32), bytes(32), bytes(32), 7)
+    epoch, nonces = sealer.allocate_for_device(3, ad.scope)
     assert epoch == 0 and len(set(nonces)) == 3
     key = (ctypes.c_char * 32)()
     sealer.export_key_to(epoch, key)
-    ad = BlockAD(bytes(32), bytes(32), bytes(32), 7)
     sealed = AESGCM(bytes(key)).encrypt(nonces[0], b"block bytes", ad.encode())
     ctypes.memset(key, 0, 32)
     out = bytearray(11)
@@ -694,15 +714,157 @@ def test_device_key_api_matches_host_sealing() -> None:
     )
     assert bytes(out) == b"block bytes"
     # Two more would exceed rekey_after=4 under epoch 0: they come from epoch 1.
-    epoch1, more = sealer.allocate_for_device(2)
+    epoch1, more = sealer.allocate_for_device(2, ad.scope)
     assert epoch1 == 1 and not set(more) & set(nonces)
     assert sealer.live_epoch_ids() == {0, 1}
-    old = sealer._epochs[0]
+    addr = sealer._epochs[0].slot_address
     for _ in range(3):
         sealer.forget(0)
     assert sealer.live_epoch_ids() == {1}
-    assert bytes(old._key) == bytes(32)
-    with pytest.raises(SealingError):
+    assert ctypes.string_at(addr, 32) == bytes(32)
+    with pytest.raises(KeyDestroyed):
         sealer.export_key_to(0, key)
     with pytest.raises(SealingError):
-        sealer.allocate_for_device(5)
+        sealer.allocate_for_device(5, ad.scope)
+    with pytest.raises(SealingError):
+        sealer.allocate_for_device(1, (bytes(31), bytes(32)))
+
+
+# ---------------------------------------------------------------- key scopes, crypto-erase
+
+NS2 = bytes(range(96, 128))
+TENANT_B = bytes(range(128, 160))
+
+
+def test_each_scope_has_its_own_key_nonces_and_epochs() -> None:
+    """(namespace, tenant) scopes: independent random keys, each with its own
+    nonce prefix and counter from 0; epoch ids are unique across scopes."""
+    sealer = BlockSealer()
+    pt = os.urandom(256)
+    scopes = [ad(), ad(tenant=TENANT_B), ad(ns=NS2)]  # A; B same model; A other model
+    recs = [seal(sealer, pt, a) for a in scopes]
+    assert [r.epoch for r, _ in recs] == [0, 1, 2]
+    assert sealer.live_scopes == 3
+    assert all(_counter(r.nonce) == 0 for r, _ in recs)  # a counter per key
+    addrs = [sealer._epochs[i].slot_address for i in range(3)]
+    keys = {ctypes.string_at(a, 32) for a in addrs}
+    assert len(keys) == 3 and bytes(32) not in keys
+    # A's ciphertext and nonce presented under B's epoch (B's key) does not open
+    # even with A's own AD: the keys differ, not just the AAD.
+    (ra, ca), (rb, _) = recs[0], recs[1]
+    with pytest.raises(AuthenticationFailed):
+        open_(sealer, SealRecord(rb.epoch, ra.nonce, ra.tag), scopes[0], bytes(ca))
+    assert open_(sealer, ra, scopes[0], bytes(ca)) == pt
+
+
+def test_destroy_scope_erases_every_epoch_of_that_scope_only() -> None:
+    sealer = BlockSealer(rekey_after=2)
+    a, b, a_other_model = ad(), ad(tenant=TENANT_B), ad(ns=NS2)
+    pt = os.urandom(512)
+    mine = [seal(sealer, pt, replace(a, generation=g)) for g in range(5)]  # 3 epochs
+    others = [seal(sealer, pt, x) for x in (b, a_other_model)]
+    epochs_a = sealer.scope_epoch_ids(NS, TENANT)
+    assert len(epochs_a) == 3
+    addrs = [sealer._epochs[e].slot_address for e in epochs_a]
+    aeads = [sealer._epochs[e].aead for e in epochs_a]
+    held = [sys.getrefcount(x) for x in aeads]
+    assert all(ctypes.string_at(x, 32) != bytes(32) for x in addrs)
+
+    assert sealer.destroy_scope(NS, TENANT) == 3
+    assert sealer.scope_epoch_ids(NS, TENANT) == frozenset()
+    assert all(ctypes.string_at(x, 32) == bytes(32) for x in addrs), "key bytes not wiped"
+    # The sealer kept no reference to the ciphers (OpenSSL contexts freed then).
+    assert [sys.getrefcount(x) for x in aeads] == [h - 1 for h in held]
+    for g, (rec, sealed) in enumerate(mine):
+        with pytest.raises(KeyDestroyed):
+            open_(sealer, rec, replace(a, generation=g), bytes(sealed))
+    for (rec, sealed), x in zip(others, (b, a_other_model), strict=True):
+        assert open_(sealer, rec, x, bytes(sealed)) == pt
+    # forget() of a destroyed epoch is harmless; a new seal of A starts a fresh key
+    # under a new epoch id, under which A's old ciphertext does not authenticate.
+    for rec, _ in mine:
+        sealer.forget(rec.epoch)
+    new, _ = seal(sealer, pt, a)
+    assert new.epoch not in epochs_a and _counter(new.nonce) == 0
+    old_rec, old_ct = mine[-1]
+    with pytest.raises(AuthenticationFailed):
+        open_(sealer, SealRecord(new.epoch, old_rec.nonce, old_rec.tag), a, bytes(old_ct))
+    assert sealer.destroy_scope(bytes(32), bytes(32)) == 0  # unknown scope: nothing
+
+
+class _DestroyingCipher:
+    """Stands in for a scope's AESGCM: runs the real one, then (or instead, with
+    ``fail``) the scope is destroyed, as a concurrent Drop would do mid-call."""
+
+    def __init__(self, sealer: BlockSealer, real: AESGCM, fail: bool = False) -> None:
+        self.sealer, self.real, self.fail = sealer, real, fail
+
+    def encrypt_into(self, *args: object) -> None:
+        self.real.encrypt_into(*args)  # type: ignore[arg-type]
+        self.sealer.destroy_scope(NS, TENANT)
+
+    def decrypt_into(self, *args: object) -> None:
+        if not self.fail:
+            self.real.decrypt_into(*args)  # type: ignore[arg-type]
+        self.sealer.destroy_scope(NS, TENANT)
+        if self.fail:  # an older OpenSSL reading the wiped key computes garbage
+            raise InvalidTag
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["cipher-finished", "cipher-failed"])
+def test_open_racing_destroy_is_key_destroyed_never_plaintext(fail: bool) -> None:
+    sealer = BlockSealer()
+    pt = os.urandom(128)
+    rec, sealed = seal(sealer, pt, ad())
+    epoch = sealer._epochs[rec.epoch]
+    assert epoch.aead is not None
+    epoch.aead = _DestroyingCipher(sealer, epoch.aead, fail)  # type: ignore[assignment]
+    with pytest.raises(KeyDestroyed):  # not AuthenticationFailed: nobody tampered
+        open_(sealer, rec, ad(), bytes(sealed))
+
+
+def test_seal_racing_destroy_fails_and_burns_the_nonce() -> None:
+    sealer = BlockSealer()
+    seal(sealer, b"first", ad())
+    epoch = sealer._epochs[0]
+    assert epoch.aead is not None
+    epoch.aead = _DestroyingCipher(sealer, epoch.aead)  # type: ignore[assignment]
+    with pytest.raises(KeyDestroyed):
+        seal(sealer, b"second", ad())
+    assert sealer.live_epochs == 0 and sealer.live_scopes == 0
+
+
+def test_many_scopes_share_locked_pages_and_reuse_wiped_slots() -> None:
+    """Keys live in 4 KiB arena pages of 128 slots, not one locked page each."""
+    sealer = BlockSealer()
+    per_page = sealing._KeyArena(1).slots_per_page
+    n = per_page + 5
+    tenants = [os.urandom(32) for _ in range(n)]
+    for t in tenants:
+        seal(sealer, b"k", ad(tenant=t))
+    pages, unlocked = sealer.key_pages
+    assert pages == 2
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or soft >= 64 * 4096:
+        assert unlocked == 0, "key pages are not mlocked"
+    addrs = {e.slot_address for e in sealer._epochs.values()}
+    assert len(addrs) == n  # one slot each
+    freed = sealer._scopes[(NS, tenants[0])].current.slot_address  # type: ignore[union-attr]
+    sealer.destroy_scope(NS, tenants[0])
+    assert ctypes.string_at(freed, 32) == bytes(32)
+    seal(sealer, b"k", ad(tenant=os.urandom(32)))  # takes the wiped slot again
+    assert sealer.key_pages[0] == 2
+    assert ctypes.string_at(freed, 32) != bytes(32)
+
+
+def test_key_slots_are_bounded_and_a_refused_scope_leaves_nothing() -> None:
+    sealer = BlockSealer(max_keys=1)  # rounds up to one page of slots
+    per_page = sealing._KeyArena(1).slots_per_page
+    for i in range(per_page):
+        seal(sealer, b"k", ad(tenant=i.to_bytes(32, "big")))
+    with pytest.raises(KeysExhausted) as e:
+        seal(sealer, b"k", ad(tenant=b"\xff" * 32))
+    assert e.value.code.name == "RESOURCE_EXHAUSTED"
+    assert sealer.live_scopes == per_page and sealer.live_epochs == per_page
+    sealer.destroy_scope(NS, (0).to_bytes(32, "big"))
+    seal(sealer, b"k", ad(tenant=b"\xff" * 32))  # room again

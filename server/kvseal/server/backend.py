@@ -129,6 +129,12 @@ class Backend(Protocol):
         deadline: Deadline = NO_DEADLINE,
     ) -> list[int]: ...
 
+    def retire_keys(self) -> None:
+        """Wipe every copy the backend holds of keys the sealer destroyed (a
+        crypto-erasing drop): called right after ``BlockSealer.destroy_scope``.
+        May wait for a request in flight; never raises."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -514,6 +520,10 @@ class CpuBackend:
                 # cutoff, then runs to ``commit_by`` (see kvseal.server.deadline).
                 deadline.check("the first destination page")
                 pool.check()
+                # Last, right before the first page write: a drop that destroyed these
+                # keys since they opened makes the restore serve nothing (KeyDestroyed);
+                # once the scatter starts, the restore counts as done before the drop.
+                self._sealer.require_live({r.epoch for r in records})
                 with telemetry.stage("scatter"):
 
                     def scatter(a: int, b: int) -> list[None]:
@@ -530,6 +540,10 @@ class CpuBackend:
             staging.release()
             self._staging.give(staging_buf)
         return failed
+
+    def retire_keys(self) -> None:
+        """Nothing to do: the CPU backend keeps no key copies of its own (the
+        sealer's ``AESGCM`` objects are the only ones, dropped with the scope)."""
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -32,7 +32,7 @@ from kvseal.server.errors import (
 from kvseal.server.events import EventBus, EventKind, Subscription
 from kvseal.server.index import Entry, Index, Removal, State, StoreOutcome
 from kvseal.server.pools import Pool, PoolRegistry, PoolSpec
-from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer
+from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer, KeyDestroyed
 
 log = logging.getLogger("kvseal.cache")
 MAX_OWNER_TOKEN = 64
@@ -94,6 +94,10 @@ class Counters:
     evicted_blocks: int = 0
     dropped_blocks: int = 0
     integrity_failures: int = 0
+    # Restores that failed because a Drop(all_of_tenant) destroyed the blocks'
+    # keys while they ran (not integrity failures: nothing was tampered with).
+    restores_of_dropped: int = 0
+    key_scopes_destroyed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,6 +519,12 @@ class SealedCache:
                         pool.mapped, blocks, records, self.region, wait_event, deadline=deadline
                     )
                 elapsed = time.perf_counter() - t0
+            except KeyDestroyed:
+                # A Drop(all_of_tenant) raced this restore and won: the keys are
+                # gone, nothing was written, and the drop removes the entries.
+                self.index.complete_restore(entries, release=False)
+                self._count(restores_of_dropped=1)
+                raise
             except BaseException:
                 self.index.complete_restore(entries, release=False)
                 raise
@@ -568,14 +578,42 @@ class SealedCache:
     def drop(
         self, pool_id: str, tenant: bytes, hashes: Sequence[bytes], *, all_of_tenant: bool
     ) -> int:
+        """Remove blocks (and their descendants). With ``all_of_tenant`` also
+        crypto-erase: every key of the scope (pool namespace, tenant) is wiped
+        first, so none of the tenant's ciphertext in this namespace can be opened
+        again, whoever kept it and its index entries; the same tenant in another
+        namespace, and every other tenant, keep their keys and blocks.
+
+        Order matters: the keys go *before* the index entries. A store of the
+        tenant that reserved its entries before the index drop is removed by it
+        (whatever key it sealed under); one that reserves after it draws its
+        nonces after the keys were destroyed, so under a fresh key. No entry
+        that survives the drop refers to a destroyed key. A restore pinning
+        blocks of the scope meanwhile fails with KeyDestroyed (NOT_FOUND,
+        nothing written, not counted as an integrity failure) unless it had
+        already begun writing pages, in which case it completed before the drop
+        (see ``BlockSealer.require_live``). Device key copies are wiped before
+        this returns (the CUDA backend may first finish a request in flight)."""
         self._check_tenant(tenant)
         if all_of_tenant and hashes:
             raise BadRequest("give either block_hashes or all_of_tenant, not both")
         if not all_of_tenant:
             self._check_hashes(hashes)
+        destroyed = 0
         with self.pools.use(pool_id) as pool:
+            if all_of_tenant:
+                destroyed = self.sealer.destroy_scope(pool.namespace, tenant)
             removed = self.index.drop(pool.namespace, tenant, None if all_of_tenant else hashes)
-        self._count(dropped_blocks=len(removed))
+        if destroyed:
+            self.backend.retire_keys()
+            log.info(
+                "dropped tenant %s of pool %s: %d block(s), %d key epoch(s) destroyed",
+                telemetry.tenant_label(tenant),
+                pool_id,
+                len(removed),
+                destroyed,
+            )
+        self._count(dropped_blocks=len(removed), key_scopes_destroyed=1 if destroyed else 0)
         return len(removed)
 
     def _check_event(self, wait_event: bytes | None) -> None:

@@ -5,21 +5,32 @@ key, and never choose a nonce: :meth:`BlockSealer.seal_into` allocates one.
 
 Format v1 (shared byte-for-byte with the GPU kernels, see docs/gpu-kernels.md):
 
-- key: 32 random bytes per *key epoch*, from the OS CSPRNG (``getrandom``)
-  written straight into an ``mlock``ed ctypes buffer (never an immutable
-  ``bytes``) that is wiped when the epoch ends; it is never logged,
-  returned, or written anywhere outside the process, except to the GPU by
-  the CUDA backend (``export_key_to``). A daemon restart therefore means a
-  new key and an empty cache.
+- key scopes: every *(namespace, tenant)* pair (the model/geometry namespace
+  of a pool, and the tenant digest: exactly what a ``Drop(all_of_tenant)``
+  names) has keys of its own, independent random keys, never derived from a
+  secret that outlives them. :meth:`BlockSealer.destroy_scope` wipes every key
+  of a scope at once (crypto-erase): its ciphertext can never be opened again,
+  whoever kept a copy of it and of its nonces and tags, while every other
+  scope (another tenant, or the same tenant in another model's pool) keeps its
+  keys and blocks.
+- key epochs: a scope's key lives in a *key epoch*: 32 random bytes from the
+  OS CSPRNG (``getrandom``) written straight into a slot of an ``mlock``ed
+  arena (never an immutable ``bytes``); the slot is wiped when the epoch ends.
+  It is never logged, returned, or written anywhere outside the process,
+  except to the GPU by the CUDA backend (``export_key_to``). A daemon restart
+  therefore means new keys and an empty cache. Epoch ids are unique across
+  scopes and never reused (a record names its epoch by id alone).
 - nonce (12 bytes): a random 4-byte prefix drawn per epoch || a 64-bit
   big-endian counter. Unique under a key by construction (the counter never
   repeats within an epoch, and each epoch has its own key); the prefix is
   defence in depth only.
-- rekey: after ``rekey_after`` seals (default 2**32, far below the 2**64
-  counter space and at the SP 800-38D invocation bound for other IV
-  constructions) a new epoch with a new key starts. Blocks sealed under an old
-  epoch still open; an epoch's key is destroyed when its last block is
-  forgotten.
+- rekey: after ``rekey_after`` seals under one key (default 2**32, far below
+  the 2**64 counter space and at the SP 800-38D invocation bound for other IV
+  constructions) the scope starts a new epoch with a new key. Blocks sealed
+  under an old epoch still open; an epoch's key is destroyed when its last
+  block is forgotten, and a scope with no block left is destroyed whole (its
+  next seal starts a fresh key): a key lives exactly as long as some block, or
+  a seal in flight, needs it.
 - associated data (112 bytes = 7 AES blocks): ``b"KVSEAL" || u16 version ||
   namespace(32) || tenant(32) || block_hash(32) || u64 generation`` (big
   endian). A ciphertext moved to another block, tenant, model/geometry
@@ -33,19 +44,29 @@ hostile host region would let the host change ciphertext between the write
 and the GHASH pass (a valid tag over bytes it chose); opening straight from it
 would let the host change bytes between verification and decryption. The
 callers therefore stage through private buffers (see ``backend``).
+
+Destroyed while in use: a scope may be destroyed while a seal or open under
+it runs (a drop races an offload or restore of the same tenant). Such a call
+raises :class:`KeyDestroyed` (never :class:`AuthenticationFailed`: it is not
+tampering), also when the cipher call itself completed, so nothing sealed or
+opened under a key that was wiped meanwhile is ever used.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
+import mmap
 import os
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from kvseal.server.errors import BlockNotPresent, CapacityExhausted
 
 FORMAT_VERSION = 1
 KEY_BYTES = 32
@@ -56,8 +77,16 @@ TENANT_BYTES = 32
 NAMESPACE_BYTES = 32
 AAD_BYTES = 112
 DEFAULT_REKEY_AFTER = 2**32
+# Live keys at most (one per live epoch): 32 MiB of arena. Every live epoch has
+# a block in the index or a seal in flight, so the region bounds this long before.
+DEFAULT_MAX_KEYS = 1 << 20
 _COUNTER_LIMIT = 2**64
 _AAD_MAGIC = b"KVSEAL" + struct.pack(">H", FORMAT_VERSION)
+_MADV_WIPEONFORK = 18  # Linux >= 4.14; not exported by the mmap module
+
+log = logging.getLogger("kvseal.sealing")
+
+KeyScope = tuple[bytes, bytes]  # (namespace, tenant)
 
 
 class SealingError(Exception):
@@ -70,6 +99,17 @@ class AuthenticationFailed(Exception):
     Deliberately says nothing more: which byte or field was wrong is not
     knowable and must not be guessed at.
     """
+
+
+class KeyDestroyed(BlockNotPresent, SealingError):
+    """The block's key was destroyed: its scope was dropped (crypto-erase) before
+    or while this seal/open ran. Not an integrity failure (nobody tampered); the
+    block is gone, like a block that is not present (NOT_FOUND), and nothing
+    sealed or opened under the wiped key is used."""
+
+
+class KeysExhausted(CapacityExhausted, SealingError):
+    """No key slot left for a new key epoch (``max_keys`` live keys)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +139,11 @@ class BlockAD:
             + struct.pack(">Q", self.generation)
         )
 
+    @property
+    def scope(self) -> KeyScope:
+        """The key scope the block is sealed under."""
+        return (self.namespace, self.tenant)
+
 
 @dataclass(frozen=True, slots=True)
 class SealRecord:
@@ -127,132 +172,321 @@ def _fill_random(buf: ctypes.Array[ctypes.c_char]) -> None:
         raise OSError(ctypes.get_errno(), "getrandom failed")
 
 
-class _Epoch:
-    """One key and its nonce counter.
+KeySlot = ctypes.Array[ctypes.c_char]
 
-    The key lives in a ctypes buffer owned by the epoch, never in an
-    immutable Python ``bytes``: it is ``mlock``ed (kept out of swap, which in
-    a CVM may be host-backed) where the limit allows, handed to ``AESGCM``
-    and, for the GPU backend, written into a caller's buffer by
-    :meth:`BlockSealer.export_key_to`.
+
+class _KeyArena:
+    """Slots of 32 bytes for keys, in ``mlock``ed anonymous pages.
+
+    One locked page per 32-byte key would hit ``RLIMIT_MEMLOCK`` (often 8 MiB,
+    64 KiB on older systems) at a few thousand tenants; here one page holds 128
+    keys. The arena grows by one page whenever every slot is taken, up to
+    ``max_keys`` slots rounded up to whole pages (then :class:`KeysExhausted`),
+    keeps its pages until :meth:`close` (so it stays at the peak number of live
+    keys, 32 bytes each), and reuses freed slots first. A page ``mlock`` refuses (over the limit) is
+    used unlocked and logged once: keys stay out of Python objects either way,
+    but may then reach swap (see the README on swap in a CVM). Pages are also
+    excluded from core dumps and wiped in a forked child.
+
+    A slot is zeroed when it is given back; :meth:`close` zeroes every page.
+    Not thread-safe: the sealer's lock guards it.
+    """
+
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max_keys
+        self.slots_per_page = mmap.PAGESIZE // KEY_BYTES
+        self._pages: list[tuple[mmap.mmap, int, bool]] = []  # (map, address, locked)
+        self._free: list[KeySlot] = []
+        self._warned = False
+
+    @property
+    def pages(self) -> int:
+        return len(self._pages)
+
+    @property
+    def unlocked_pages(self) -> int:
+        return sum(1 for _, _, locked in self._pages if not locked)
+
+    def _grow(self) -> None:
+        if (len(self._pages) + 1) * self.slots_per_page > self.max_keys and self._pages:
+            raise KeysExhausted(
+                f"{self.max_keys} key epochs are live (one per tenant and model with "
+                "blocks cached, plus seals in flight); evict or drop blocks first"
+            )
+        mem = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for advice in (getattr(mmap, "MADV_DONTDUMP", None), _MADV_WIPEONFORK):
+            if advice is not None:
+                try:
+                    mem.madvise(advice)
+                except OSError:  # an older kernel: defence in depth only
+                    pass
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+        locked = _libc().mlock(ctypes.c_void_p(addr), ctypes.c_size_t(mmap.PAGESIZE)) == 0
+        if not locked and not self._warned:
+            self._warned = True
+            log.warning(
+                "mlock of a key page failed (RLIMIT_MEMLOCK?): keys beyond the limit are "
+                "not locked in memory and could be swapped; raise LimitMEMLOCK"
+            )
+        self._pages.append((mem, addr, locked))
+        # Later slots last: take() pops from the end, so a page fills in order.
+        for i in reversed(range(self.slots_per_page)):
+            self._free.append((ctypes.c_char * KEY_BYTES).from_buffer(mem, i * KEY_BYTES))
+
+    def take(self) -> KeySlot:
+        """A zeroed slot (KeysExhausted when ``max_keys`` are taken)."""
+        if not self._free:
+            self._grow()
+        return self._free.pop()
+
+    def give(self, slot: KeySlot) -> None:
+        """Wipe ``slot`` and make it reusable."""
+        ctypes.memset(slot, 0, KEY_BYTES)
+        self._free.append(slot)
+
+    def close(self) -> None:
+        """Zero and unlock every page (the maps themselves go with the process:
+        slots handed out may still be referenced)."""
+        for _, addr, locked in self._pages:
+            ctypes.memset(addr, 0, mmap.PAGESIZE)
+            if locked:
+                _libc().munlock(ctypes.c_void_p(addr), ctypes.c_size_t(mmap.PAGESIZE))
+        self._pages = [(m, a, False) for m, a, _ in self._pages]
+        self._free = []
+
+
+class _Epoch:
+    """One key of one scope, and its nonce counter.
+
+    The key lives in an arena slot owned by the epoch, never in an immutable
+    Python ``bytes``; it is handed to ``AESGCM`` and, for the GPU backend,
+    written into a caller's buffer by :meth:`BlockSealer.export_key_to`.
 
     ``AESGCM`` (cryptography >= 42 on OpenSSL >= 3.2) keeps no reference to
     the buffer: its constructor expands the key into two OpenSSL cipher
     contexts on the heap (encrypt and decrypt: round keys and the GHASH key
     H), and every call works on a heap copy of one that it frees on return;
     ``EVP_CIPHER_CTX_free`` cleanses each. (With an older OpenSSL it keeps a
-    reference to the buffer instead and builds a context per call.) So
-    ``destroy`` wipes the buffer *and* drops the epoch's ``AESGCM``: its
+    reference to the buffer instead and builds a context per call: a call
+    running when the slot is wiped, or reused by another key, then computes
+    garbage, which the ``destroyed`` check after every call discards.) So
+    ``destroy`` wipes the slot *and* drops the epoch's ``AESGCM``: its
     contexts are freed and cleansed then, or as soon as a call already running
     on it returns, instead of whenever the epoch object is collected.
     """
 
-    __slots__ = ("_key", "_locked", "aead", "counter", "index", "live", "prefix")
+    __slots__ = (
+        "_arena",
+        "_slot",
+        "aead",
+        "counter",
+        "destroyed",
+        "index",
+        "live",
+        "prefix",
+        "scope",
+    )
 
-    def __init__(self, index: int) -> None:
-        self._key = (ctypes.c_char * KEY_BYTES)()
-        self._locked = _libc().mlock(self._key, ctypes.c_size_t(KEY_BYTES)) == 0
+    def __init__(self, index: int, scope: _Scope, arena: _KeyArena, slot: KeySlot) -> None:
+        self._arena = arena
+        self._slot: KeySlot | None = slot
         self.aead: AESGCM | None = None
-        try:
-            _fill_random(self._key)
-            # A view of the buffer, not a copy (and never released: with an older
-            # OpenSSL the AESGCM keeps it to rebuild a context per call).
-            self.aead = AESGCM(memoryview(self._key).cast("B"))
-        except BaseException:
-            self.destroy()
-            raise
+        self.destroyed = False
         self.index = index
+        self.scope = scope
         self.prefix = os.urandom(4)
         self.counter = 0
         self.live = 0
 
+    def start(self) -> None:
+        """Build the cipher over the key the slot now holds."""
+        assert self._slot is not None
+        # A view of the slot, not a copy (and never released: with an older
+        # OpenSSL the AESGCM keeps it to rebuild a context per call).
+        self.aead = AESGCM(memoryview(self._slot).cast("B"))
+
     def copy_key_to(self, dst: ctypes.Array[ctypes.c_char]) -> None:
         if len(dst) < KEY_BYTES:
             raise SealingError("key destination must hold 32 bytes")
-        ctypes.memmove(dst, self._key, KEY_BYTES)
+        if self._slot is None:
+            raise KeyDestroyed(f"key epoch {self.index} is destroyed")
+        ctypes.memmove(dst, self._slot, KEY_BYTES)
 
     def cipher(self) -> AESGCM:
-        """The epoch's cipher; SealingError once the epoch is destroyed."""
+        """The epoch's cipher; KeyDestroyed once the epoch is destroyed."""
         aead = self.aead
         if aead is None:
-            raise SealingError(f"key epoch {self.index} is gone")
+            raise KeyDestroyed(
+                f"key epoch {self.index} was destroyed (its tenant was dropped); "
+                "nothing was sealed or restored"
+            )
         return aead
 
     def destroy(self) -> None:
-        """Wipe the key and drop the cipher (and with it OpenSSL's expanded key
-        schedules, cleansed when freed). Idempotent."""
+        """Mark destroyed, drop the cipher (and with it OpenSSL's expanded key
+        schedules, cleansed when freed), wipe and release the slot. Idempotent.
+        The flag is set first: a call that sees it clear after its cipher call
+        returned ran entirely before the wipe."""
+        self.destroyed = True
         self.aead = None
-        ctypes.memset(self._key, 0, KEY_BYTES)
-        if self._locked:
-            _libc().munlock(self._key, ctypes.c_size_t(KEY_BYTES))
-            self._locked = False
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            self._arena.give(slot)
+
+    @property
+    def slot_address(self) -> int:
+        """Address of the key slot (tests read it to check the wipe); 0 once gone."""
+        return ctypes.addressof(self._slot) if self._slot is not None else 0
 
     def __repr__(self) -> str:  # never show key material
         return f"<key epoch {self.index}: {self.counter} seals, {self.live} live>"
 
 
-class BlockSealer:
-    """Seals and opens blocks under a ring of per-epoch keys.
+class _Scope:
+    """The epochs of one (namespace, tenant): the current one, which new seals
+    draw nonces from, and older ones that still have blocks."""
 
-    Thread-safe: nonce allocation and epoch bookkeeping are under one lock;
-    the AES work runs outside it (``cryptography`` releases the GIL), so
-    several threads seal in parallel.
+    __slots__ = ("current", "epochs", "key", "live")
+
+    def __init__(self, key: KeyScope) -> None:
+        self.key = key
+        self.current: _Epoch | None = None
+        self.epochs: dict[int, _Epoch] = {}
+        self.live = 0  # blocks (and seals in flight) over all its epochs
+
+    def __repr__(self) -> str:  # the scope key is a digest, but keep reprs terse
+        return f"<key scope: {len(self.epochs)} epochs, {self.live} live>"
+
+
+class BlockSealer:
+    """Seals and opens blocks under per-scope rings of per-epoch keys.
+
+    Thread-safe: nonce allocation and epoch/scope bookkeeping are under one
+    lock; the AES work runs outside it (``cryptography`` releases the GIL), so
+    several threads seal in parallel. Per block the lock does two dict lookups
+    and a counter increment: the key schedule is per scope and epoch, never per
+    block, so throughput does not depend on the number of tenants.
     """
 
-    def __init__(self, rekey_after: int = DEFAULT_REKEY_AFTER) -> None:
+    def __init__(
+        self, rekey_after: int = DEFAULT_REKEY_AFTER, *, max_keys: int = DEFAULT_MAX_KEYS
+    ) -> None:
         if not 1 <= rekey_after <= _COUNTER_LIMIT:
             raise SealingError("rekey_after must be in [1, 2**64]")
+        if max_keys < 1:
+            raise SealingError("max_keys must be positive")
         self.rekey_after = rekey_after
         self._lock = threading.Lock()
-        self._epochs: dict[int, _Epoch] = {}
+        self._arena = _KeyArena(max_keys)
+        self._scopes: dict[KeyScope, _Scope] = {}
+        self._epochs: dict[int, _Epoch] = {}  # every live epoch, by (global) id
+        self._next_epoch = 0
         self._closed = False
-        self._current = self._new_epoch(0)
 
     def __repr__(self) -> str:
-        return f"<BlockSealer epoch={self._current.index} live_epochs={len(self._epochs)}>"
+        return f"<BlockSealer scopes={len(self._scopes)} live_epochs={len(self._epochs)}>"
 
-    def _new_epoch(self, index: int) -> _Epoch:
-        epoch = _Epoch(index)
-        self._epochs[index] = epoch
+    # ------------------------------------------------------------ key generation
+
+    def _generate_key(self, epoch_index: int, dst: KeySlot) -> None:
+        """Write a new key for epoch ``epoch_index`` into ``dst`` (an arena
+        slot). Fresh randomness for every epoch of every scope: no key is derived
+        from anything that outlives it. (Tests override this with known keys.)"""
+        _fill_random(dst)
+
+    def _new_epoch(self, scope: _Scope) -> _Epoch:
+        """A new current epoch for ``scope`` (lock held). KeysExhausted when no
+        slot is left; nothing changes then."""
+        slot = self._arena.take()
+        epoch = _Epoch(self._next_epoch, scope, self._arena, slot)
+        try:
+            self._generate_key(epoch.index, slot)
+            epoch.start()
+        except BaseException:
+            epoch.destroy()
+            raise
+        self._next_epoch += 1
+        self._epochs[epoch.index] = epoch
+        scope.epochs[epoch.index] = epoch
+        scope.current = epoch
         return epoch
+
+    # ------------------------------------------------------------ introspection
 
     @property
     def current_epoch(self) -> int:
-        return self._current.index
+        """Id of the newest key epoch of any scope (0 before the first seal),
+        saturating at 2**32 - 1 (the Stats field is 32 bits; ids keep counting)."""
+        return min(max(0, self._next_epoch - 1), 2**32 - 1)
 
     @property
     def seals_under_current_key(self) -> int:
-        return self._current.counter
+        """The most seals drawn under any scope's current key (how close the
+        busiest key is to ``rekey_after``)."""
+        with self._lock:
+            return max(
+                (s.current.counter for s in self._scopes.values() if s.current is not None),
+                default=0,
+            )
 
     @property
     def live_epochs(self) -> int:
         return len(self._epochs)
 
-    def _rotate_if_needed(self, n: int) -> _Epoch:
-        """The epoch to draw ``n`` nonces from (caller holds the lock)."""
+    @property
+    def live_scopes(self) -> int:
+        return len(self._scopes)
+
+    def live_epoch_ids(self) -> frozenset[int]:
+        """Epochs whose key still exists."""
+        with self._lock:
+            return frozenset(self._epochs)
+
+    def scope_epoch_ids(self, namespace: bytes, tenant: bytes) -> frozenset[int]:
+        """The live epochs of one scope (empty if it has none)."""
+        with self._lock:
+            scope = self._scopes.get((namespace, tenant))
+            return frozenset(scope.epochs) if scope is not None else frozenset()
+
+    # ------------------------------------------------------------ nonces
+
+    def _draw(self, key: KeyScope, n: int) -> _Epoch:
+        """The epoch of scope ``key`` to draw ``n`` nonces from, with the nonces
+        counted (caller holds the lock)."""
         if self._closed:
             raise SealingError("the sealer is closed: its keys are wiped")
-        epoch = self._current
-        if epoch.counter + n > self.rekey_after:
+        scope = self._scopes.get(key)
+        if scope is None:
+            if len(key[0]) != NAMESPACE_BYTES or len(key[1]) != TENANT_BYTES:
+                raise SealingError("a key scope is a 32-byte namespace and a 32-byte tenant")
             if n > self.rekey_after:
                 raise SealingError(f"cannot draw {n} nonces under one key (rekey_after)")
-            old = epoch
-            epoch = self._current = self._new_epoch(old.index + 1)
-            if old.live == 0:
-                del self._epochs[old.index]
-                old.destroy()
+            scope = _Scope(key)
+            epoch = self._new_epoch(scope)  # KeysExhausted: the scope is not kept
+            self._scopes[key] = scope
+        else:
+            epoch = scope.current  # type: ignore[assignment]  # set while the scope lives
+            if epoch.counter + n > self.rekey_after:
+                if n > self.rekey_after:
+                    raise SealingError(f"cannot draw {n} nonces under one key (rekey_after)")
+                old = epoch
+                epoch = self._new_epoch(scope)
+                if old.live == 0:
+                    self._drop_epoch(old)
+        epoch.counter += n
+        epoch.live += n
+        scope.live += n
         return epoch
 
-    def _allocate(self) -> tuple[_Epoch, bytes]:
-        with self._lock:
-            epoch = self._rotate_if_needed(1)
-            nonce = epoch.prefix + struct.pack(">Q", epoch.counter)
-            epoch.counter += 1
-            epoch.live += 1
-            return epoch, nonce
+    def _drop_epoch(self, epoch: _Epoch) -> None:
+        """Destroy one epoch and unlink it (lock held)."""
+        self._epochs.pop(epoch.index, None)
+        epoch.scope.epochs.pop(epoch.index, None)
+        epoch.destroy()
 
-    def allocate_for_device(self, n: int) -> tuple[int, list[bytes]]:
-        """Draw ``n`` fresh nonces under one epoch for a device-side seal.
+    def allocate_for_device(self, n: int, scope: KeyScope) -> tuple[int, list[bytes]]:
+        """Draw ``n`` fresh nonces under one epoch of ``scope`` (namespace,
+        tenant) for a device-side seal: a device batch is single-scope.
 
         Counts them as ``n`` live blocks of that epoch: the caller must call
         :meth:`forget` once for each nonce whose block is not kept (a failed
@@ -261,44 +495,66 @@ class BlockSealer:
         if n < 1:
             raise SealingError("n must be positive")
         with self._lock:
-            epoch = self._rotate_if_needed(n)
-            first = epoch.counter
-            epoch.counter += n
-            epoch.live += n
+            epoch = self._draw(scope, n)
+            first = epoch.counter - n
             return epoch.index, [epoch.prefix + struct.pack(">Q", first + i) for i in range(n)]
+
+    def _gone(self, epoch_index: int) -> SealingError:
+        if 0 <= epoch_index < self._next_epoch:
+            return KeyDestroyed(
+                "the block's key was destroyed (its tenant was dropped, or the daemon is "
+                "stopping); nothing was sealed or restored"
+            )
+        return SealingError(f"key epoch {epoch_index} never existed")
 
     def export_key_to(self, epoch_index: int, dst: ctypes.Array[ctypes.c_char]) -> None:
         """Write the epoch's 32-byte key into ``dst`` (caller-owned private
         memory, e.g. a ctypes buffer about to be uploaded to the GPU). The
         caller must wipe ``dst`` as soon as it is done. Only the CUDA backend
-        calls this; the key never leaves the process and the GPU."""
+        calls this; the key never leaves the process and the GPU.
+        KeyDestroyed if the epoch is gone."""
         with self._lock:
             epoch = self._epochs.get(epoch_index)
             if epoch is None:
-                raise SealingError(f"key epoch {epoch_index} is gone")
+                raise self._gone(epoch_index)
             epoch.copy_key_to(dst)
 
-    def live_epoch_ids(self) -> frozenset[int]:
-        """Epochs whose key still exists."""
+    def require_live(self, epoch_ids: Iterable[int]) -> None:
+        """Raise KeyDestroyed if any of the epochs is gone. A restore calls this
+        right before it writes the first page: a drop that destroyed the keys
+        before that point makes the restore fail, never serve."""
         with self._lock:
-            return frozenset(self._epochs)
+            for i in epoch_ids:
+                if i not in self._epochs:
+                    raise self._gone(i)
+
+    # ------------------------------------------------------------ seal / open
 
     def seal_into(self, plaintext: memoryview, ad: BlockAD, out: memoryview) -> SealRecord:
         """Encrypt ``plaintext`` into ``out`` (``len(plaintext) + 16`` bytes:
-        ciphertext then the tag, which is also returned in the record).
+        ciphertext then the tag, which is also returned in the record) under
+        the current key of the scope ``(ad.namespace, ad.tenant)``.
         ``plaintext`` may be exactly ``out[:len(plaintext)]`` (in place); any
         other overlap is undefined.
 
         ``out`` must be private memory (see module docstring). The caller owns
         both buffers; on exception nothing is recorded and the nonce is
-        burnt, never reused.
+        burnt, never reused. KeyDestroyed if the scope was destroyed while
+        this ran: ``out`` must then not be published.
         """
         if len(out) != len(plaintext) + TAG_BYTES:
             raise SealingError("out must be exactly len(plaintext) + 16 bytes")
         aad = ad.encode()
-        epoch, nonce = self._allocate()
+        with self._lock:
+            epoch = self._draw((ad.namespace, ad.tenant), 1)
+            nonce = epoch.prefix + struct.pack(">Q", epoch.counter - 1)
         try:
             epoch.cipher().encrypt_into(nonce, plaintext, aad, out)
+            if epoch.destroyed:  # wiped while it ran: the output is not to be used
+                raise KeyDestroyed(
+                    "the tenant's keys were destroyed (dropped) while its block was "
+                    "sealed; nothing was stored"
+                )
         except BaseException:
             self.forget(epoch.index)
             raise
@@ -311,40 +567,86 @@ class BlockSealer:
         memory) into ``out`` (``len(sealed) - 16`` bytes, private memory).
 
         ``out`` may be exactly ``sealed[:len(out)]`` (in place).
-        Raises :class:`AuthenticationFailed` if anything does not match; the
-        contents of ``out`` are then unspecified and must not be used.
+        Raises :class:`AuthenticationFailed` if anything does not match, and
+        :class:`KeyDestroyed` if the record's key is gone or was destroyed
+        while this ran; the contents of ``out`` are then unspecified and must
+        not be used.
         """
         if len(sealed) != len(out) + TAG_BYTES:
             raise SealingError("sealed must be exactly len(out) + 16 bytes")
         with self._lock:
             epoch = self._epochs.get(record.epoch)
-        if epoch is None:
-            raise SealingError(f"key epoch {record.epoch} is gone")
+            if epoch is None:
+                raise self._gone(record.epoch)
         try:
             epoch.cipher().decrypt_into(record.nonce, sealed, ad.encode(), out)
         except InvalidTag:
+            if epoch.destroyed:  # a wipe during the call (older OpenSSL), not tampering
+                raise self._gone(record.epoch) from None
             raise AuthenticationFailed("authentication failed") from None
+        if epoch.destroyed:
+            raise self._gone(record.epoch)
 
-    def close(self) -> None:
-        """Wipe every epoch's key and drop its cipher (shutdown, once no seal or
-        open runs). Afterwards every seal and open raises SealingError."""
-        with self._lock:
-            self._closed = True
-            for epoch in self._epochs.values():
-                epoch.destroy()
-            self._epochs.clear()
+    # ------------------------------------------------------------ lifetime
 
     def forget(self, epoch_index: int) -> None:
-        """One block sealed under ``epoch_index`` is gone; drop the epoch's
-        key when it has no live blocks and is not current."""
+        """One block sealed under ``epoch_index`` is gone (or a drawn nonce is
+        burnt): drop the epoch's key when it has no live blocks and is not its
+        scope's current one, and the whole scope when it has no live block at
+        all. Unknown or destroyed epochs are ignored."""
         with self._lock:
             epoch = self._epochs.get(epoch_index)
             if epoch is None:
                 return
-            epoch.live = max(0, epoch.live - 1)
-            if epoch.live == 0 and epoch is not self._current:
-                del self._epochs[epoch_index]
+            scope = epoch.scope
+            if epoch.live > 0:
+                epoch.live -= 1
+                scope.live -= 1
+            if scope.live <= 0:
+                self._destroy_scope_locked(scope)
+            elif epoch.live == 0 and epoch is not scope.current:
+                self._drop_epoch(epoch)
+
+    def _destroy_scope_locked(self, scope: _Scope) -> int:
+        if self._scopes.get(scope.key) is scope:
+            del self._scopes[scope.key]
+        epochs = list(scope.epochs.values())
+        for epoch in epochs:
+            self._drop_epoch(epoch)
+        scope.current = None
+        scope.live = 0
+        return len(epochs)
+
+    def destroy_scope(self, namespace: bytes, tenant: bytes) -> int:
+        """Crypto-erase: wipe every key of the scope now and drop its ciphers,
+        whatever blocks or calls still use them. Every record of the scope stops
+        opening for good (KeyDestroyed); a seal or open running on it fails the
+        same way. The next seal of the scope starts a fresh random key. Returns
+        how many epochs were destroyed (0: the scope had no key). Other scopes
+        are untouched. Device copies (CUDA key contexts) are the backend's to
+        wipe: it prunes every epoch this no longer lists as live."""
+        with self._lock:
+            scope = self._scopes.get((namespace, tenant))
+            if scope is None:
+                return 0
+            return self._destroy_scope_locked(scope)
+
+    def close(self) -> None:
+        """Wipe every key and drop every cipher (shutdown, once no seal or open
+        runs). Afterwards every seal and open raises SealingError."""
+        with self._lock:
+            self._closed = True
+            for epoch in list(self._epochs.values()):
                 epoch.destroy()
+            self._epochs.clear()
+            self._scopes.clear()
+            self._arena.close()
+
+    @property
+    def key_pages(self) -> tuple[int, int]:
+        """(pages of key arena, of which not locked): diagnostics."""
+        with self._lock:
+            return self._arena.pages, self._arena.unlocked_pages
 
 
 # Power-on known-answer test (the GCM specification's AES-256 test cases 13

@@ -30,7 +30,8 @@ Keys: :class:`DeviceKeySource` (``BlockSealer``) owns them. The backend asks for
 32-byte key of an epoch once, into its own pinned buffer, wiped right after a
 synchronous upload; ``kvseal_key_setup`` expands it into a ``KvsKeyCtx`` that lives
 in device memory only, and the raw key's device copy is zeroed on the same stream.
-Contexts of retired epochs are zeroed and freed.
+Contexts of retired epochs are zeroed and freed: at the start of every request, and
+at once (``retire_keys``) when a drop destroyed a tenant's key scope.
 
 Concurrency: requests are serialised by one lock (the staging and descriptor
 buffers are shared, and copies within one context serialise in CC mode anyway).
@@ -50,7 +51,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -128,6 +129,15 @@ class CudaError(RuntimeError):
         self.code = code
 
 
+def _request_scope(blocks: Sequence[BlockIO]) -> tuple[bytes, bytes]:
+    """The one key scope (namespace, tenant) of a seal batch; ValueError if the
+    batch mixes scopes (the cache never does: one request is one pool and tenant)."""
+    scope = blocks[0].ad.scope
+    if any(b.ad.scope != scope for b in blocks):
+        raise ValueError("a seal batch must be of one namespace and one tenant")
+    return scope
+
+
 class BackendUnavailable(RuntimeError):
     """The CUDA backend cannot be built here; the message says why and what to do."""
 
@@ -141,21 +151,31 @@ class BackendUnavailable(RuntimeError):
 class DeviceKeySource(Protocol):
     """What the CUDA backend needs from :class:`~kvseal.server.sealing.BlockSealer`.
 
-    - ``allocate_for_device(n)``: draw ``n`` fresh nonces, all under ONE epoch (the
-      current one, after rotating if fewer than ``n`` seals are left before
-      ``rekey_after``); counts them as ``n`` live blocks of that epoch. Thread-safe.
+    - ``allocate_for_device(n, scope)``: draw ``n`` fresh nonces, all under ONE epoch
+      of the key scope ``(namespace, tenant)`` (its current one, after rotating if
+      fewer than ``n`` seals are left before ``rekey_after``); counts them as ``n``
+      live blocks of that epoch. A seal batch is single-scope (one request = one
+      pool namespace and one tenant). Thread-safe.
     - ``export_key_to(epoch, dst)``: write the epoch's 32-byte key into ``dst``
       (a caller-owned ``ctypes`` ``c_char * 32`` buffer, which the caller wipes).
-      Raises ``SealingError`` if the epoch is gone. Never returns the key.
-    - ``live_epoch_ids()``: indices of epochs whose key still exists.
+      Raises ``SealingError`` (``KeyDestroyed``) if the epoch is gone. Never
+      returns the key.
+    - ``live_epoch_ids()``: ids of epochs whose key still exists (unique across
+      scopes); a device key context of any other epoch is wiped and freed.
+    - ``require_live(epochs)``: raise ``KeyDestroyed`` if any epoch is gone (a
+      drop destroyed its scope); checked right before the open pass writes pages.
     - ``forget(epoch)``: one block of ``epoch`` is gone (also burns an unused nonce).
     """
 
-    def allocate_for_device(self, n: int) -> tuple[int, list[bytes]]: ...
+    def allocate_for_device(
+        self, n: int, scope: tuple[bytes, bytes]
+    ) -> tuple[int, list[bytes]]: ...
 
     def export_key_to(self, epoch: int, dst: ctypes.Array[ctypes.c_char]) -> None: ...
 
     def live_epoch_ids(self) -> frozenset[int]: ...
+
+    def require_live(self, epoch_ids: Iterable[int]) -> None: ...
 
     def forget(self, epoch_index: int) -> None: ...
 
@@ -1273,6 +1293,23 @@ class CudaBackend:
         for e in dead:
             self._dev.free(self._keys.pop(e))
 
+    def retire_keys(self) -> None:
+        """Wipe and free, now, the device key contexts of epochs the sealer no
+        longer lists (a ``Drop(all_of_tenant)`` destroyed their scope). Takes the
+        backend lock, so it waits for a request in flight (bounded by that request's
+        own deadline); a request that used such a context fails before its open
+        pass (``require_live``). Never raises: on a broken backend the contexts go
+        with the process (logged)."""
+        with self._lock:
+            if self._broken is not None or not self._keys:
+                return
+            try:
+                self._enter()
+                self._prune_keys()
+            except CudaError as e:
+                self._note(e)
+                log.warning("wiping the device key contexts of a dropped tenant failed: %s", e)
+
     def _key_ctx(self, epoch: int) -> int:
         """Device address of the epoch's KvsKeyCtx, derived on first use.
 
@@ -1526,7 +1563,9 @@ class CudaBackend:
                 except BaseException as e:
                     note_written(e, set())
                     raise
-                epoch, nonces = self._sealer.allocate_for_device(len(blocks))
+                epoch, nonces = self._sealer.allocate_for_device(
+                    len(blocks), _request_scope(blocks)
+                )
                 try:
                     return self._seal_locked(pool, blocks, region, epoch, nonces, deadline)
                 except BaseException as e:
@@ -1731,6 +1770,10 @@ class CudaBackend:
         # The last check: once the open pass is queued it runs to its end (all
         # epochs' launches back to back), and the reply waits for it.
         deadline.check("the destination pages")
+        # Right before the open pass: a drop that destroyed these keys since the
+        # request began makes it write no page (KeyDestroyed). Once the pass is
+        # queued the restore is committed and counts as done before such a drop.
+        self._sealer.require_live(keys)
         for e, g0, g1 in groups:
             batch = self._batch(keys[e], pool, desc, lay, staging, g0, g1, all_or_nothing=True)
             self._launch("kvseal_open", batch, sk)
