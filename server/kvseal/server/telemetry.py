@@ -234,6 +234,10 @@ class _CacheCollector:
              c.dropped_blocks),
             ("kvseal_integrity_failures", "Blocks that failed authentication: the host "
              "altered, swapped, replayed or removed ciphertext", c.integrity_failures),
+            ("kvseal_key_scopes_destroyed", "Tenant key scopes crypto-erased by "
+             "Drop(all_of_tenant)", c.key_scopes_destroyed),
+            ("kvseal_restores_of_dropped", "Restores refused because a drop destroyed "
+             "their tenant's keys meanwhile (never served)", c.restores_of_dropped),
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
