@@ -349,6 +349,11 @@ class ChaosRun:
         if not e.alive():
             self.poll_engines()
             return
+        silent_limit = self.cfg.transfer_timeout_s + self.cfg.grace_s + self.cfg.slack_s + 20
+        self.c_hang.record(
+            time.monotonic() - e.last_line <= silent_limit,
+            f"engine {slot} was silent for {time.monotonic() - e.last_line:.0f} s when killed",
+        )
         e.proc.send_signal(signal.SIGKILL)
         e.proc.wait()
         self.counts["engine SIGKILL"] += 1
@@ -511,6 +516,8 @@ class ChaosRun:
     def checkpoint(self, final: bool) -> None:
         """No engine alive (SIGKILLed, or SIGTERMed at the end): the daemon must
         hold nothing of theirs and be back at its fd count."""
+        if final:  # SIGTERM only engines that are up (their handler is installed)
+            _until(lambda: all(e.poll() or e.shm for e in self.engines.values()), 60.0)
         for slot in list(self.engines):
             e = self.engines[slot]
             if final:

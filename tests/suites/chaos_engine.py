@@ -386,8 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transfer-timeout", type=float, default=2.0)
     ap.add_argument("--grace", type=float, default=0.3)
     args = ap.parse_args(argv)
+    stop = threading.Event()
+    # Before the pool exists: a SIGTERM during start-up still ends in a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     eng = Engine(args)
-    signal.signal(signal.SIGTERM, lambda *_: eng.stop.set())
+    eng.stop = stop
     return eng.run()
 
 
