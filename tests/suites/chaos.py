@@ -517,7 +517,13 @@ class ChaosRun:
         """No engine alive (SIGKILLed, or SIGTERMed at the end): the daemon must
         hold nothing of theirs and be back at its fd count."""
         if final:  # SIGTERM only engines that are up (their handler is installed)
-            _until(lambda: all(e.poll() or e.shm for e in self.engines.values()), 60.0)
+
+            def up() -> bool:
+                for e in self.engines.values():
+                    e.poll()
+                return all(e.shm for e in self.engines.values())
+
+            _until(up, 60.0)
         for slot in list(self.engines):
             e = self.engines[slot]
             if final:
