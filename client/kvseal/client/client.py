@@ -37,6 +37,9 @@ from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvseal.client")
 ERROR_METADATA_KEY = "kvseal-error"
+# RegisterPool: "a HoldPool follows within this many ms" (the daemon drops a
+# registration that is never held: its engine died before it could hold it).
+HOLD_WITHIN_METADATA_KEY = "kvseal-hold-within-ms"
 T = TypeVar("T")
 _IDEMPOTENT = ("Lookup", "Touch", "Stats")
 
@@ -430,10 +433,17 @@ class KVSealClient:
         any more. Always False for TCP targets (no way to tell)."""
         return daemon_gone(self.config.target)
 
-    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+    def _call(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Any:
         fn = getattr(self._stub, method)
+        md = (_trace_metadata() or ()) + metadata
         try:
-            return fn(request, timeout=timeout or self.config.timeout_s, metadata=_trace_metadata())
+            return fn(request, timeout=timeout or self.config.timeout_s, metadata=md or None)
         except grpc.RpcError as e:
             raise KVSealRpcError.from_rpc(e) from None
         except ValueError as e:  # grpc: "Cannot invoke RPC on closed channel!"
@@ -465,12 +475,19 @@ class KVSealClient:
         *,
         owner_token: bytes = b"",
         timeout: float | None = None,
+        hold_within_s: float | None = None,
     ) -> PoolHandle:
         """Register (or replace) the pool named ``name``. ``owner_token``: the
         ``owner_token`` of an earlier handle for this name, which lets this engine
         replace its own registration while it is held; without it a held name is
         refused with ALREADY_EXISTS (POOL_NAME_TAKEN). A refused registration left
-        nothing mapped on the daemon."""
+        nothing mapped on the daemon. ``hold_within_s``: this client will open a
+        HoldPool on the new pool within that many seconds; if none is ever opened
+        (the engine died right after registering), the daemon unregisters the pool
+        then (the ``kvseal-hold-within-ms`` request metadata)."""
+        md: tuple[tuple[str, str], ...] = ()
+        if hold_within_s is not None:
+            md = ((HOLD_WITHIN_METADATA_KEY, str(max(1, round(hold_within_s * 1000)))),)
         r = self._call(
             "RegisterPool",
             pb.RegisterPoolRequest(
@@ -481,6 +498,7 @@ class KVSealClient:
                 owner_token=owner_token,
             ),
             timeout,
+            md,
         )
         return PoolHandle(
             r.pool_id, r.namespace, r.block_bytes, r.server_instance, bytes(r.owner_token)
@@ -804,6 +822,9 @@ class EnginePool:
                 self.geometry,
                 owner_token=self._owner_token,
                 timeout=cfg.timeout_s,
+                # A kill between this registration and its hold must not leave the
+                # pool mapped by the daemon: it expires unless held by then.
+                hold_within_s=max(10.0, 3 * cfg.timeout_s) if self.hold else None,
             )
         except KVSealRpcError as e:
             self.registration_error = e

@@ -280,6 +280,18 @@ class SealedCache:
 
     # ---------------------------------------------------------------- holds
 
+    def expire_unheld(self, pool_id: str, waited_s: float) -> None:
+        """A registration whose client announced a hold (``hold_within``) that never
+        came: its engine died between RegisterPool and HoldPool. Unregister it (it
+        would otherwise map the dead engine's memory until its name is reused)."""
+        if self.pools.remove_if_never_held(pool_id) is not None:
+            log.info(
+                "unregistered pool %s: not held within %.1f s of its registration "
+                "(its engine went away before it could hold it)",
+                pool_id,
+                waited_s,
+            )
+
     def hold_pool(self, pool_id: str) -> None:
         """Count one more HoldPool stream on a registered pool. ShuttingDown while
         draining; UnknownPool if it is not registered; CapacityExhausted beyond

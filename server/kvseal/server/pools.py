@@ -357,6 +357,7 @@ class Pool:
     closed: bool = False
     owner_token: bytes = b""  # proves ownership of the name (see PoolRegistry.add)
     holds: int = 0  # open HoldPool streams: a held name is not taken over
+    held_ever: bool = False  # a HoldPool was opened on it (see remove_if_never_held)
     # Tenants this pool's requests named, oldest first (SealedCache.note_tenant):
     # the tenants whose events its WatchEvents stream may carry.
     tenants: dict[bytes, None] = field(default_factory=dict)
@@ -434,6 +435,7 @@ class PoolRegistry:
             if pool is None:
                 raise UnknownPool(f"pool {echo(pool_id)} is not registered")
             pool.holds += 1
+            pool.held_ever = True
 
     def release(self, pool_id: str) -> None:
         """End one hold counted by :meth:`hold` (nothing to do if the pool is gone:
@@ -442,6 +444,18 @@ class PoolRegistry:
             pool = self._by_id.get(pool_id)
             if pool is not None and pool.holds > 0:
                 pool.holds -= 1
+
+    def remove_if_never_held(self, pool_id: str) -> Pool | None:
+        """Unregister the pool if it is registered and no hold was ever opened on
+        it (one step under the registry lock, as :meth:`hold`: a hold and this
+        removal cannot both succeed); the removed pool, or None."""
+        with self._lock:
+            pool = self._by_id.get(pool_id)
+            if pool is None or pool.held_ever:
+                return None
+            del self._by_id[pool_id]
+        self._retire(pool)
+        return pool
 
     def remove(self, pool_id: str) -> Pool:
         with self._lock:

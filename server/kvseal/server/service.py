@@ -46,6 +46,23 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVSeal"]
 _TENANT_RPCS = frozenset({"Lookup", "Touch", "Offload", "Restore", "Drop"})
 
 
+HOLD_WITHIN_METADATA_KEY = "kvseal-hold-within-ms"
+
+
+def _hold_within_s(context: grpc.ServicerContext) -> float | None:
+    """RegisterPool's ``kvseal-hold-within-ms`` metadata (1..600000), in seconds:
+    the client promises a HoldPool within that time, else the registration is
+    dropped. None when absent or not a number in range (no expiry)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == HOLD_WITHIN_METADATA_KEY:
+            try:
+                ms = int(value)
+            except (TypeError, ValueError):
+                return None
+            return ms / 1000 if 1 <= ms <= 600_000 else None
+    return None
+
+
 class Undecodable:
     """Stands for a request body that did not parse as ``type_name``."""
 
@@ -193,7 +210,14 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         self, request: pb.RegisterPoolRequest, context: grpc.ServicerContext
     ) -> pb.RegisterPoolReply:
         spec = convert.pool_spec(request, self.cache.backend.kind)
+        hold_within = _hold_within_s(context)
         reg = self.cache.register_pool(spec, bytes(request.owner_token))
+        if hold_within is not None:
+            # The client will hold this registration (HoldPool) at once; if no hold
+            # ever comes, its engine died in between: do not map its memory forever.
+            t = threading.Timer(hold_within, self.cache.expire_unheld, (reg.pool_id, hold_within))
+            t.daemon = True
+            t.start()
         return pb.RegisterPoolReply(
             pool_id=reg.pool_id,
             namespace=reg.namespace,
