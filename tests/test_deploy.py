@@ -99,6 +99,8 @@ KVSEAL_METRICS = {
     "kvseal_host_blocks",
     "kvseal_evicted_blocks_total",
     "kvseal_integrity_failures_total",
+    "kvseal_key_scopes_destroyed_total",
+    "kvseal_restores_of_dropped_total",
     "kvseal_requests_total",
     "kvseal_registered_pools",
     "kvseal_pool_holds",
