@@ -114,7 +114,9 @@ class Subscriber:
 
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        # vLLM's publisher connects to an endpoint with a host (it binds only to
+        # "tcp://*:PORT"): the subscriber binds, on loopback only.
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.RCVTIMEO, 200)
         self.counts: dict[str, int] = {}

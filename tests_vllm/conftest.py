@@ -1,0 +1,63 @@
+"""Fixtures for the vLLM suite (``make test-vllm``; its own venv, .venv-vllm).
+
+The two engine runs are session fixtures: each starts a real vLLM engine
+(~45 s on 2 cores) in a driver process (tests_vllm/driver.py) and the tests
+read what happened from its JSON. The baseline run has no connector; the
+kvseal run has the one-line kv-transfer config and a real daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests_vllm.tiny_model import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+def _drive(mode: str, model: Path, workdir: Path) -> dict[str, Any]:
+    out = workdir / "result.json"
+    log = workdir / "driver.log"
+    args = [
+        sys.executable, str(HERE / "driver.py"), "--mode", mode, "--model", str(model),
+        "--workdir", str(workdir), "--out", str(out), "--zmq-port", str(free_port()),
+    ]  # fmt: skip
+    with open(log, "wb") as f:
+        rc = subprocess.run(
+            args, stdout=f, stderr=subprocess.STDOUT, cwd=workdir, timeout=900,
+            env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+        ).returncode  # fmt: skip
+    if rc != 0 or not out.exists():
+        tail = log.read_text(errors="replace")[-6000:]
+        raise RuntimeError(f"{mode} driver failed (exit {rc}):\n{tail}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _drive("baseline", tiny_model, tmp_path_factory.mktemp("baseline"))
+
+
+@pytest.fixture(scope="session")
+def with_kvseal(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _drive("kvseal", tiny_model, tmp_path_factory.mktemp("kvseal"))
