@@ -33,7 +33,7 @@ from kvseal.client.shm import SHM_DIR
 
 # Only an allocation at least this large is the KV cache (vLLM's other CPU
 # buffers inside the context, if any, are small).
-MIN_KV_BYTES = 1 << 16
+MIN_KV_BYTES = 1 << 12
 
 
 @dataclass
