@@ -47,8 +47,8 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 class Engine:
     def __init__(self, model: str, kv_bytes: int, kvseal_socket: str | None, zmq_port: int) -> None:
-        from vllm import LLM, SamplingParams  # noqa: PLC0415
-        from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: PLC0415
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVEventsConfig, KVTransferConfig
 
         kw: dict[str, Any] = {}
         if kvseal_socket is not None:
@@ -80,7 +80,7 @@ class Engine:
         self.sp = SamplingParams(temperature=0.0, max_tokens=OUT_TOKENS, detokenize=False)
 
     def run(self, prompt: list[int], salt: str | None = None) -> dict[str, Any]:
-        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+        from vllm.inputs import TokensPrompt
 
         p = TokensPrompt(prompt_token_ids=prompt)
         if salt is not None:
@@ -110,7 +110,7 @@ class Subscriber:
     """vLLM's KV events over ZMQ, decoded with vLLM's own KVEventBatch."""
 
     def __init__(self, port: int) -> None:
-        import zmq  # noqa: PLC0415
+        import zmq
 
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
@@ -126,9 +126,9 @@ class Subscriber:
         self._t.start()
 
     def _run(self) -> None:
-        import msgspec  # noqa: PLC0415
-        import zmq  # noqa: PLC0415
-        from vllm.distributed.kv_events import KVEventBatch  # noqa: PLC0415
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
 
         dec = msgspec.msgpack.Decoder(type=KVEventBatch)
         while not self._stop.is_set():
@@ -166,13 +166,14 @@ def main() -> None:
     ap.add_argument("--zmq-port", type=int, default=0)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests_vllm.daemon import Daemon  # noqa: PLC0415
+    from tests_vllm.daemon import Daemon
 
     workdir = Path(args.workdir)
     daemon: Daemon | None = None
     sub: Subscriber | None = None
     res: dict[str, Any] = {"mode": args.mode, "phases": {}}
-    kv_bytes = KV_BLOCKS * BLOCK * 2 * 2 * 2 * 32 * 2  # blocks x tokens x layers x K/V x heads x dim x bf16
+    # blocks x tokens x layers x K/V x heads x dim x bf16
+    kv_bytes = KV_BLOCKS * BLOCK * 2 * 2 * 2 * 32 * 2
     if args.mode == "kvseal":
         daemon = Daemon(workdir / "daemon", extra=("--on-integrity-failure", "drop")).start()
         sub = Subscriber(args.zmq_port)
@@ -186,7 +187,7 @@ def main() -> None:
         for _ in range(50):
             try:
                 return daemon.stats()
-            except Exception:  # noqa: BLE001 - a restarting daemon
+            except Exception:
                 time.sleep(0.1)
         return {}
 
@@ -273,7 +274,7 @@ def main() -> None:
         res["events"] = sub.close()
     res["total_s"] = round(time.monotonic() - t0, 1)
     Path(args.out).write_text(json.dumps(res))
-    del eng
+    eng.llm = None  # release the engine before the daemon stops
     if daemon is not None:
         daemon.stop()
     os._exit(0)  # vLLM's atexit hooks can linger on 2 busy cores; the result is written

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from kvseal.vllm import shm_kv
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -20,8 +21,6 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-
-from kvseal.vllm import shm_kv
 
 TOKENS = 32
 LAYERS = 2
@@ -67,17 +66,26 @@ def shm_kv_caches(num_blocks: int) -> tuple[torch.Tensor, CanonicalKVCaches]:
     LBHNC layout is)."""
     with shm_kv.shm_kv_allocation():
         buf = torch.zeros(LAYERS * num_blocks * PAGE, dtype=torch.int8)
-    views = [buf[i * num_blocks * PAGE : (i + 1) * num_blocks * PAGE].view(num_blocks, PAGE) for i in range(LAYERS)]
+    views = [
+        buf[i * num_blocks * PAGE : (i + 1) * num_blocks * PAGE].view(num_blocks, PAGE)
+        for i in range(LAYERS)
+    ]
     kv = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(tensor=v, page_size_bytes=PAGE) for v in views],
-        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE) for i in range(LAYERS)]],
+        group_data_refs=[
+            [CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE) for i in range(LAYERS)]
+        ],
     )
     return buf, kv
 
 
 def block_bytes(buf: torch.Tensor, num_blocks: int, block: int) -> bytes:
     return b"".join(
-        bytes(buf[i * num_blocks * PAGE + block * PAGE : i * num_blocks * PAGE + (block + 1) * PAGE].numpy().tobytes())
+        bytes(
+            buf[i * num_blocks * PAGE + block * PAGE : i * num_blocks * PAGE + (block + 1) * PAGE]
+            .numpy()
+            .tobytes()
+        )
         for i in range(LAYERS)
     )
 
@@ -85,7 +93,7 @@ def block_bytes(buf: torch.Tensor, num_blocks: int, block: int) -> bytes:
 def wait_for(cond: Any, timeout: float = 20.0) -> bool:
     """Poll ``cond()`` until true or ``timeout`` (a liveness bound, not a timing
     assertion)."""
-    import time  # noqa: PLC0415
+    import time
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

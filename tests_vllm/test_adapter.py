@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from kvseal.client import ClientConfig, KVSealClient, tenant_digest
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, OffloadKey, ReqContext
-
 from kvseal.vllm import keys
 from kvseal.vllm.spec import (
     KVSealLoadStoreSpec,
@@ -21,6 +19,8 @@ from kvseal.vllm.spec import (
     KVSealOffloadingWorker,
     note_request_salt,
 )
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, OffloadKey, ReqContext
+
 from tests_vllm.daemon import Daemon
 from tests_vllm.helpers import block_bytes, offloading_config, shm_kv_caches, wait_for
 
@@ -111,7 +111,8 @@ def test_tp2_hit_only_when_every_rank_holds_the_block(two_daemons: list[Daemon])
         spec = mgr.prepare_store(k, ctx_a)
         assert spec is not None and spec.keys_to_store == k
         st = spec.store_spec
-        assert isinstance(st, KVSealLoadStoreSpec) and st.tenant == alice  # the digest, not the salt
+        # the worker gets the tenant digest, never the salt
+        assert isinstance(st, KVSealLoadStoreSpec) and st.tenant == alice
         data = {r: [ranks[r].fill(b, 10 * r + b) for b in (1, 2)] for r in (0, 1)}
 
         ranks[0].run(True, alice, st.hashes, [1, 2])
@@ -153,7 +154,9 @@ def test_tp2_hit_only_when_every_rank_holds_the_block(two_daemons: list[Daemon])
         assert wait_for(lambda: mgr.lookup(k[0], ctx_a) is LookupResult.MISS)
         # ...and after its restart the mirror follows the new daemon again
         two_daemons[0].start()
-        assert wait_for(lambda: mgr.mirrors[0].pool_id is not None and mgr.mirrors[0].synced.is_set())
+        assert wait_for(
+            lambda: mgr.mirrors[0].pool_id is not None and mgr.mirrors[0].synced.is_set()
+        )
         assert mgr.mirrors[0].blocks() == 0
     finally:
         mgr.shutdown()
@@ -168,7 +171,9 @@ def test_other_model_never_sees_the_blocks(two_daemons: list[Daemon]) -> None:
     assert isinstance(a, KVSealOffloadingManager) and isinstance(b, KVSealOffloadingManager)
     worker = Rank(sock, 0)  # model "tiny": a third namespace
     try:
-        assert wait_for(lambda: a.mirrors[0].namespace is not None and b.mirrors[0].namespace is not None)
+        assert wait_for(
+            lambda: a.mirrors[0].namespace is not None and b.mirrors[0].namespace is not None
+        )
         assert a.mirrors[0].namespace != b.mirrors[0].namespace
         ctx = ReqContext(req_id="r")
         a.on_new_request(ctx)

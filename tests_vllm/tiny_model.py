@@ -16,8 +16,8 @@ def make_tiny_llama(path: Path, seed: int = 1234) -> Path:
     """Write the model to ``path`` (idempotent) and return it."""
     if (path / "config.json").exists():
         return path
-    import torch  # noqa: PLC0415 - heavy imports only when a model is built
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(

@@ -27,6 +27,8 @@ import logging
 from contextlib import AbstractContextManager
 from typing import Any
 
+from kvseal.vllm import shm_kv, spec
+
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -35,8 +37,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request
-
-from kvseal.vllm import shm_kv, spec
 
 log = logging.getLogger("kvseal.vllm")
 

@@ -100,7 +100,9 @@ class DaemonMirror:
         g = pb.PoolGeometry()
         g.CopyFrom(geometry)
         del g.buffers[:]
-        g.buffers.append(pb.BufferHandle(shm_name=self._probe.name, offset=0, size=self._probe.size))
+        g.buffers.append(
+            pb.BufferHandle(shm_name=self._probe.name, offset=0, size=self._probe.size)
+        )
         # One page whose single segment spans the page: the block byte count
         # (and so the namespace) stays the worker pool's.
         del g.segments[:]
@@ -167,7 +169,11 @@ class DaemonMirror:
         if self.server_instance is not None and h.server_instance != self.server_instance:
             self.resets += 1
             self._clear()  # a restarted daemon: new key, empty cache
-        self.namespace, self.pool_id, self.server_instance = h.namespace, h.pool_id, h.server_instance
+        self.namespace, self.pool_id, self.server_instance = (
+            h.namespace,
+            h.pool_id,
+            h.server_instance,
+        )
         if self._hold is not None:
             self._hold.close(wait=0)
         self._hold = PoolHold(self._client._stub, h.pool_id, retry=True)
@@ -177,8 +183,9 @@ class DaemonMirror:
         does): the subscription must exist before the resync reads the index."""
         req = pb.WatchEventsRequest()
         if "pool_id" in pb.WatchEventsRequest.DESCRIPTOR.fields_by_name:
-            setattr(req, "pool_id", self.pool_id)  # daemons with pool-scoped watches
+            req.pool_id = self.pool_id  # daemons with pool-scoped watches
         return self._client._stub.WatchEvents(req)
+
     def _resync(self) -> None:
         """Keep only the blocks the daemon still reports READY."""
         assert self.pool_id is not None

@@ -107,9 +107,8 @@ def _new_shm_tensor(size: int, prefix: str) -> Any:
 def shm_kv_allocation(prefix: str = "kvseal-vllm") -> Iterator[None]:
     """Serve the first large int8 CPU ``torch.zeros`` inside this context from
     shared memory (see module doc); all other calls pass through unchanged."""
-    from torch.overrides import TorchFunctionMode  # noqa: PLC0415
-
     import torch  # noqa: PLC0415
+    from torch.overrides import TorchFunctionMode  # noqa: PLC0415
 
     class _Mode(TorchFunctionMode):
         done = False

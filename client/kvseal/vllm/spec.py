@@ -36,6 +36,9 @@ from typing import Any
 
 from kvseal.client import ClientConfig, EnginePool, KVSealClient, tenant_digest
 from kvseal.v1 import kvseal_pb2 as pb
+from kvseal.vllm import keys, shm_kv
+from kvseal.vllm.mirror import DaemonMirror
+
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -53,9 +56,6 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
-
-from kvseal.vllm import keys, shm_kv
-from kvseal.vllm.mirror import DaemonMirror
 
 log = logging.getLogger("kvseal.vllm")
 
@@ -215,7 +215,9 @@ class KVSealOffloadingManager(OffloadingManager):
         ordered = list(keys_)
         to_store = [k for k in ordered if self._h(k) not in ready]
         if not to_store:
-            return PrepareStoreOutput(keys_to_store=[], store_spec=KVSealLoadStoreSpec(tenant, []), evicted_keys=[])
+            return PrepareStoreOutput(
+                keys_to_store=[], store_spec=KVSealLoadStoreSpec(tenant, []), evicted_keys=[]
+            )
         hashes = [self._h(k) for k in to_store]
         parent = b""
         pos = req_context.get_offload_key_position(to_store[0])
@@ -328,7 +330,9 @@ class KVSealOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------ vLLM API
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
         assert isinstance(dst_spec, KVSealLoadStoreSpec)
         return self._submit(_Job(job_id, True, dst_spec, [int(b) for b in src_spec.block_ids]))
 
@@ -485,7 +489,14 @@ class KVSealOffloadingSpec(OffloadingSpec):
             head_dim=self.head_dim,
             dtype=str(c.model.dtype).removeprefix("torch."),
             layout=f"vllm-page:{c.kv_cache_layout or 'default'}"[:64],
-            segments=[pb.Segment(buffer=0, offset=0, page_stride=c.worker_kv_bytes_per_block, bytes=c.worker_kv_bytes_per_block)]
+            segments=[
+                pb.Segment(
+                    buffer=0,
+                    offset=0,
+                    page_stride=c.worker_kv_bytes_per_block,
+                    bytes=c.worker_kv_bytes_per_block,
+                )
+            ]
             if per_layer
             else [],
         )
