@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).resolve().parent
+_RESULTS: dict[str, dict[str, Any]] = {}  # the engine runs, for the summary
 
 
 def free_port() -> int:
@@ -55,9 +56,42 @@ def _drive(mode: str, model: Path, workdir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _drive("baseline", tiny_model, tmp_path_factory.mktemp("baseline"))
+    _RESULTS["baseline"] = r = _drive("baseline", tiny_model, tmp_path_factory.mktemp("baseline"))
+    return r
 
 
 @pytest.fixture(scope="session")
 def with_kvseal(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _drive("kvseal", tiny_model, tmp_path_factory.mktemp("kvseal"))
+    _RESULTS["kvseal"] = r = _drive("kvseal", tiny_model, tmp_path_factory.mktemp("kvseal"))
+    return r
+
+
+def _summary(k: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    lines = []
+    for n in ("main", "tamper", "kill"):
+        pk, pb = k["phases"][n], b["phases"][n]
+        ck = sum(r["cached"] for t in pk["turns"] for r in t)
+        cb = sum(r["cached"] for t in pb["turns"] for r in t)
+        tot = sum(r["prompt_len"] for t in pk["turns"] for r in t)
+        st = pk["stats"]
+        lines.append(
+            f"{n:7s} prompt tokens {tot}, cached by the engine: {ck} with kvseal, {cb} without;"
+            f" kvseal restored {st.get('restored_blocks')} blocks, offloaded"
+            f" {st.get('offloaded_blocks')}, integrity failures {st.get('integrity_failures')},"
+            f" Lookup RPCs {st.get('lookups')}"
+        )
+    lines.append(f"KV events received: {k.get('events', {}).get('counts')}")
+    lines.append(
+        f"engine start {k['engine_start_s']} s (kvseal) / {b['engine_start_s']} s (baseline);"
+        f" whole driver {k['total_s']} s / {b['total_s']} s"
+    )
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    k, b = _RESULTS.get("kvseal"), _RESULTS.get("baseline")
+    if k is None or b is None:
+        return
+    terminalreporter.section(f"kvseal x vLLM figures (this machine: {os.cpu_count()} CPUs, no GPU)")
+    for line in _summary(k, b):
+        terminalreporter.write_line(line)
