@@ -182,8 +182,9 @@ class DaemonMirror:
         """Open the event stream now (not lazily, as ``KVSealClient.watch_events``
         does): the subscription must exist before the resync reads the index."""
         req = pb.WatchEventsRequest()
-        if "pool_id" in pb.WatchEventsRequest.DESCRIPTOR.fields_by_name:
-            req.pool_id = self.pool_id  # daemons with pool-scoped watches
+        scope = "pool_id"  # the field of pool-scoped watches, where the proto has it
+        if scope in pb.WatchEventsRequest.DESCRIPTOR.fields_by_name:
+            setattr(req, scope, self.pool_id)
         return self._client._stub.WatchEvents(req)
 
     def _resync(self) -> None:
