@@ -187,3 +187,31 @@ def test_other_model_never_sees_the_blocks(two_daemons: list[Daemon]) -> None:
         a.shutdown()
         b.shutdown()
         worker.worker.shutdown()
+
+
+def test_mirror_resync_keeps_only_what_the_daemon_holds(two_daemons: list[Daemon]) -> None:
+    """After a gap in the event stream (a watcher that fell behind is cut off),
+    the mirror re-checks every block it believes READY against the daemon."""
+    sock = [two_daemons[0].target]
+    mgr = KVSealOffloadingSpec(offloading_config(sock, 0)).get_manager()
+    assert isinstance(mgr, KVSealOffloadingManager)
+    worker = Rank(sock, 0)
+    try:
+        ctx = ReqContext(req_id="r")
+        mgr.on_new_request(ctx)
+        shared = tenant_digest(None)
+        worker.fill(1, 1)
+        worker.run(True, shared, [bytes([1]) * 32], [1])
+        m = mgr.mirrors[0]
+        assert wait_for(lambda: m.blocks() == 1)
+        # a block the mirror wrongly believes present (a missed removal)
+        m._set(shared, [bytes([2]) * 32], True)
+        assert mgr.lookup(_key(2), ctx) is LookupResult.HIT
+        m._resync()
+        assert mgr.lookup(_key(2), ctx) is LookupResult.MISS
+        assert mgr.lookup(_key(1), ctx) is LookupResult.HIT
+        removed = [kk for e in mgr.take_events() if e.removed for kk in e.keys]
+        assert removed == [_key(2)]
+    finally:
+        mgr.shutdown()
+        worker.worker.shutdown()
