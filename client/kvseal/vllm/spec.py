@@ -275,7 +275,12 @@ class KVSealOffloadingWorker(OffloadingWorker):
         self.stats = {"stores": 0, "loads": 0, "failed_loads": 0, "dropped_stores": 0}
         geometry = self._geometry(kv_caches)
         if geometry is not None:
-            self.client = KVSealClient(ClientConfig(target=spec.socket(self.rank)))
+            # A stalled daemon delays only this rank's transfer thread (and the
+            # requests waiting for a load), never the engine: bounded by this.
+            timeout = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0))
+            self.client = KVSealClient(
+                ClientConfig(target=spec.socket(self.rank), transfer_timeout_s=timeout)
+            )
             self.pool = EnginePool(
                 self.client,
                 keys.pool_name(spec.engine_id, spec.dp_index, self.rank, "kv"),
@@ -417,7 +422,8 @@ class KVSealOffloadingSpec(OffloadingSpec):
 
     ``kv_connector_extra_config`` keys: ``kvseal_socket`` (the daemon's socket;
     ``{rank}`` is replaced by the worker's rank: one daemon per GPU) or
-    ``kvseal_sockets`` (a list, one per rank). Supported: one offloaded
+    ``kvseal_sockets`` (a list, one per rank); ``kvseal_transfer_timeout_s``
+    (default 10: the deadline of one Offload/Restore). Supported: one offloaded
     full-attention KV-cache group, one vLLM block per offloaded chunk (the
     defaults); anything else is refused at start with a clear error.
     """
@@ -434,7 +440,6 @@ class KVSealOffloadingSpec(OffloadingSpec):
                 f"(blocks_per_chunk={self.blocks_per_chunk}, tokens_per_hash="
                 f"{self.tokens_per_hash}, block_size={self.tokens_per_block[0]})"
             )
-        self.offload_prompt_only = bool(self.extra_config.get("offload_prompt_only", True))
         self.group = config.groups[0].group_id
         self.engine_id = config.engine_id
         self.dp_index = config.parallel.data_parallel_index
