@@ -74,6 +74,13 @@ def _summary(k: dict[str, Any], b: dict[str, Any]) -> list[str]:
         cb = sum(r["cached"] for t in pb["turns"] for r in t)
         tot = sum(r["prompt_len"] for t in pk["turns"] for r in t)
         st = pk["stats"]
+        if n == "kill":  # two daemons: the killed one's figures, then its successor's
+            st = {
+                f: pk["before_kill"].get(f, 0)
+                - k["phases"]["tamper"]["stats_by_turn"][-1].get(f, 0)
+                + pk["after"].get(f, 0)
+                for f in ("restored_blocks", "offloaded_blocks", "integrity_failures", "lookups")
+            }
         lines.append(
             f"{n:7s} prompt tokens {tot}, cached by the engine: {ck} with kvseal, {cb} without;"
             f" kvseal restored {st.get('restored_blocks')} blocks, offloaded"

@@ -114,6 +114,9 @@ def test_tp2_hit_only_when_every_rank_holds_the_block(two_daemons: list[Daemon])
         # the worker gets the tenant digest, never the salt
         assert isinstance(st, KVSealLoadStoreSpec) and st.tenant == alice
         data = {r: [ranks[r].fill(b, 10 * r + b) for b in (1, 2)] for r in (0, 1)}
+        # The mirrors learn of blocks from the event stream: they must be subscribed
+        # before the stores (an engine's are, long before its first request).
+        assert wait_for(lambda: all(m.synced.is_set() for m in mgr.mirrors))
 
         ranks[0].run(True, alice, st.hashes, [1, 2])
         assert wait_for(lambda: mgr.mirrors[0].blocks() == 2)
@@ -200,9 +203,10 @@ def test_mirror_resync_keeps_only_what_the_daemon_holds(two_daemons: list[Daemon
         ctx = ReqContext(req_id="r")
         mgr.on_new_request(ctx)
         shared = tenant_digest(None)
+        m = mgr.mirrors[0]
+        assert wait_for(m.synced.is_set)
         worker.fill(1, 1)
         worker.run(True, shared, [bytes([1]) * 32], [1])
-        m = mgr.mirrors[0]
         assert wait_for(lambda: m.blocks() == 1)
         # a block the mirror wrongly believes present (a missed removal)
         m._set(shared, [bytes([2]) * 32], True)
