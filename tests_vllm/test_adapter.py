@@ -219,3 +219,38 @@ def test_mirror_resync_keeps_only_what_the_daemon_holds(two_daemons: list[Daemon
     finally:
         mgr.shutdown()
         worker.worker.shutdown()
+
+
+def test_discovery_finds_blocks_stored_before_the_engine_subscribed(
+    two_daemons: list[Daemon],
+) -> None:
+    """An engine restarted next to a warm daemon: with kvseal_lookup_discovery the
+    first lookup of an unknown block says RETRY (vLLM looks again next step), a
+    background Lookup learns the answer, then it is a HIT (or a MISS if absent)."""
+    sock = [two_daemons[0].target]
+    worker = Rank(sock, 0)
+    shared = tenant_digest(None)
+    worker.fill(1, 1)
+    worker.run(True, shared, [bytes([1]) * 32], [1])  # before any manager exists
+    assert wait_for(lambda: two_daemons[0].stats()["blocks_ready"] == 1)
+    cfg = offloading_config(sock, 0)
+    cfg = type(cfg)(
+        **{**cfg.__dict__, "extra_config": {**cfg.extra_config, "kvseal_lookup_discovery": True}}
+    )
+    mgr = KVSealOffloadingSpec(cfg).get_manager()
+    plain = KVSealOffloadingSpec(offloading_config(sock, 0)).get_manager()
+    assert isinstance(mgr, KVSealOffloadingManager) and isinstance(plain, KVSealOffloadingManager)
+    try:
+        ctx = ReqContext(req_id="r")
+        mgr.on_new_request(ctx)
+        plain.on_new_request(ctx)
+        assert wait_for(mgr.mirrors[0].synced.is_set) and wait_for(plain.mirrors[0].synced.is_set)
+        assert plain.lookup(_key(1), ctx) is LookupResult.MISS  # the mirror alone never heard of it
+        assert mgr.lookup(_key(1), ctx) is LookupResult.RETRY
+        assert mgr.lookup(_key(3), ctx) is LookupResult.RETRY  # never stored
+        assert wait_for(lambda: mgr.lookup(_key(1), ctx) is LookupResult.HIT)
+        assert wait_for(lambda: mgr.lookup(_key(3), ctx) is LookupResult.MISS)
+    finally:
+        mgr.shutdown()
+        plain.shutdown()
+        worker.worker.shutdown()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import secrets
 import struct
 from collections.abc import Iterable
 
@@ -96,7 +97,8 @@ def pool_name(engine_id: str, dp_index: int, rank: int, role: str) -> str:
     The daemon *replaces* a pool registered under an existing name, so two
     engines (or the scheduler's probe pool and the worker's KV pool) must never
     share one; the pid separates a restarted engine from its predecessor whose
-    hold the daemon has not noticed yet.
+    hold the daemon has not noticed yet, and a random tag two instances in one
+    process (each call gives a new name).
     """
-    raw = f"vllm.{engine_id}.dp{dp_index}.r{rank}.{role}.{os.getpid()}"
+    raw = f"vllm.{engine_id}.dp{dp_index}.r{rank}.{role}.{os.getpid()}.{secrets.token_hex(3)}"
     return _NAME_OK.sub("_", raw)[-128:]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import queue
 import secrets
 import threading
 from collections.abc import Callable, Iterable
@@ -44,6 +45,7 @@ from kvseal.v1 import kvseal_pb2 as pb
 log = logging.getLogger("kvseal.vllm")
 
 RESYNC_BATCH = 1024  # hashes per resynchronising Lookup (below the daemon's batch limit)
+MAX_ABSENT = 1 << 20  # known-absent blocks remembered for discovery before starting over
 
 # (rank, tenant, hash, present) -> None: called on every change, under no lock.
 ChangeFn = Callable[[int, bytes, bytes, bool], None]
@@ -122,6 +124,11 @@ class DaemonMirror:
         self.pool_id: str | None = None
         self.server_instance: str | None = None
         self.synced = threading.Event()  # set while the stream is live and resynced
+        # Discovery (opt-in): blocks the daemon held before this mirror subscribed.
+        self._absent: set[tuple[bytes, bytes]] = set()  # checked absent (or failed)
+        self._asked: set[tuple[bytes, bytes]] = set()  # queued or in flight
+        self._discover_q: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
+        self._discoverer: threading.Thread | None = None
         self.resyncs = 0
         self.resets = 0
         self._thread = threading.Thread(target=self._run, name=f"kvseal-mirror-{rank}", daemon=True)
@@ -132,6 +139,28 @@ class DaemonMirror:
     def contains(self, tenant: bytes, h: bytes) -> bool:
         s = self._ready.get(tenant)
         return s is not None and h in s
+
+    def known_absent(self, tenant: bytes, h: bytes) -> bool:
+        return (tenant, h) in self._absent
+
+    def discover(self, tenant: bytes, h: bytes) -> bool:
+        """Ask the daemon, in the background, whether it holds a block this mirror
+        has no word of (stored before it subscribed, e.g. by this engine's previous
+        incarnation). False when the mirror cannot ask now (not subscribed): treat
+        the block as a miss. Each block is asked about once; the answer (or a
+        failed call, taken as absent) lands in the mirror."""
+        if not self.synced.is_set():
+            return False
+        k = (tenant, h)
+        if k not in self._asked:
+            if self._discoverer is None:
+                self._discoverer = threading.Thread(
+                    target=self._discover_run, name=f"kvseal-discover-{self.rank}", daemon=True
+                )
+                self._discoverer.start()
+            self._asked.add(k)
+            self._discover_q.put(k)
+        return True
 
     def blocks(self) -> int:
         with self._lock:
@@ -150,12 +179,18 @@ class DaemonMirror:
                 elif not present and h in s:
                     s.discard(h)
                     changed.append(h)
+                if not present:
+                    self._absent.add((tenant, h))
             if not s:
                 self._ready.pop(tenant, None)
         for h in changed:
             self._on_change(self.rank, tenant, h, present)
 
+    def _forget_discovery(self) -> None:
+        self._absent = set()  # replaced, not cleared: readers need no lock
+
     def _clear(self) -> None:
+        self._forget_discovery()
         with self._lock:
             old, self._ready = self._ready, {}
         for tenant, hashes in old.items():
@@ -190,6 +225,7 @@ class DaemonMirror:
     def _resync(self) -> None:
         """Keep only the blocks the daemon still reports READY."""
         assert self.pool_id is not None
+        self._forget_discovery()  # blocks stored during the gap may be known again
         with self._lock:
             snapshot = {t: list(s) for t, s in self._ready.items()}
         for tenant, hashes in snapshot.items():
@@ -243,6 +279,42 @@ class DaemonMirror:
                 self._clear()
                 self.pool_id = None
             self._stop.wait(self._retry_s)
+
+    def _discover_run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._discover_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch = [first]
+            while len(batch) < RESYNC_BATCH:
+                try:
+                    batch.append(self._discover_q.get_nowait())
+                except queue.Empty:
+                    break
+            by_tenant: dict[bytes, list[bytes]] = {}
+            for tenant, h in batch:
+                by_tenant.setdefault(tenant, []).append(h)
+            for tenant, hashes in by_tenant.items():
+                ready: list[bytes] = []
+                pool_id = self.pool_id
+                try:
+                    if pool_id is not None:
+                        states = self._client.lookup(pool_id, tenant, hashes).states
+                        ready = [
+                            h for h, st in zip(hashes, states, strict=False) if st == pb.BLOCK_READY
+                        ]
+                except KVSealRpcError as e:
+                    log.info("kvseal mirror %d: discovery lookup failed: %s", self.rank, e)
+                if ready:
+                    self._set(tenant, ready, True)
+                got = set(ready)
+                for h in hashes:
+                    if h not in got:
+                        self._absent.add((tenant, h))  # absent, or unknown: a miss
+                    self._asked.discard((tenant, h))
+            if len(self._absent) > MAX_ABSENT:
+                self._forget_discovery()
 
     def close(self) -> None:
         self._stop.set()

@@ -191,10 +191,25 @@ class KVSealOffloadingManager(OffloadingManager):
         _salts.pop(req_context.req_id, None)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        s = self._ready.get(self._tenant(req_context))
-        if s is not None and self._h(key) in s:
+        tenant = self._tenant(req_context)
+        h = self._h(key)
+        s = self._ready.get(tenant)
+        if s is not None and h in s:
             return LookupResult.HIT
-        return LookupResult.MISS
+        if not self.spec.discovery:
+            return LookupResult.MISS
+        # Discovery (opt-in): a block some rank's mirror has no word of is asked
+        # about in the background, and the request is looked up again next step
+        # (RETRY; vLLM keeps scanning, so all of the request's blocks are asked at
+        # once). Never for a block known absent, never waiting for a daemon away.
+        retry = False
+        for m in self.mirrors:
+            if m.contains(tenant, h):
+                continue
+            if m.known_absent(tenant, h) or not m.discover(tenant, h):
+                return LookupResult.MISS
+            retry = True
+        return LookupResult.RETRY if retry else LookupResult.MISS
 
     def prepare_load(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         # The daemon pins blocks for the duration of the Restore itself; a block
@@ -423,7 +438,10 @@ class KVSealOffloadingSpec(OffloadingSpec):
     ``kv_connector_extra_config`` keys: ``kvseal_socket`` (the daemon's socket;
     ``{rank}`` is replaced by the worker's rank: one daemon per GPU) or
     ``kvseal_sockets`` (a list, one per rank); ``kvseal_transfer_timeout_s``
-    (default 10: the deadline of one Offload/Restore). Supported: one offloaded
+    (default 10: the deadline of one Offload/Restore); ``kvseal_lookup_discovery``
+    (default false: also find blocks the daemon held before this engine
+    subscribed, at the price of deferring a request with unknown blocks by a
+    scheduler step while one batched Lookup runs in the background). Supported: one offloaded
     full-attention KV-cache group, one vLLM block per offloaded chunk (the
     defaults); anything else is refused at start with a clear error.
     """
@@ -441,6 +459,7 @@ class KVSealOffloadingSpec(OffloadingSpec):
                 f"{self.tokens_per_hash}, block_size={self.tokens_per_block[0]})"
             )
         self.group = config.groups[0].group_id
+        self.discovery = bool(self.extra_config.get("kvseal_lookup_discovery", False))
         self.engine_id = config.engine_id
         self.dp_index = config.parallel.data_parallel_index
         self.rank = config.parallel.rank
