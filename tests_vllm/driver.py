@@ -274,7 +274,9 @@ def main() -> None:
         res["events"] = sub.close()
     res["total_s"] = round(time.monotonic() - t0, 1)
     Path(args.out).write_text(json.dumps(res))
-    eng.llm = None  # release the engine before the daemon stops
+    # Stop vLLM's engine-core and worker processes now: os._exit below skips the
+    # interpreter's own shutdown, which would otherwise leave them running.
+    eng.llm.llm_engine.shutdown()
     if daemon is not None:
         daemon.stop()
     os._exit(0)  # vLLM's atexit hooks can linger on 2 busy cores; the result is written

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 log = logging.getLogger("kvseal.vllm")
@@ -76,6 +77,27 @@ class KVSealOffloadingConnector(OffloadingConnector):
     def on_new_request(self, request: Request) -> None:
         spec.note_request_salt(request.request_id, request.cache_salt)
         super().on_new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # Scheduler side: a step that reports load errors also reports the failed
+        # jobs as completed (the worker aligns the two). Tell the manager which
+        # blocks could not be restored before vLLM retires the jobs, so that the
+        # recomputed request does not find them again and fail again.
+        sched = self.connector_scheduler
+        meta = connector_output.kv_connector_worker_meta
+        if sched is not None and connector_output.invalid_block_ids and meta is not None:
+            mgr = sched.manager
+            if isinstance(mgr, spec.KVSealOffloadingManager):
+                # vLLM 0.32's (private) job and request tables. Every load job
+                # completed in this step is taken as failed: the GPU block ids of
+                # the errors cannot be mapped to jobs here, and a block wrongly
+                # forgotten only costs one recompute.
+                for job_id in getattr(meta, "completed_jobs", {}):
+                    job = sched._jobs.get(job_id)
+                    st = sched._req_status.get(job.req_id) if job is not None else None
+                    if job is not None and not job.is_store and st is not None:
+                        mgr.load_failed(job.keys, st.req_context)
+        super().update_connector_output(connector_output)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         w = self.connector_worker.worker if self.connector_worker is not None else None

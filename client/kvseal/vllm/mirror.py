@@ -162,6 +162,10 @@ class DaemonMirror:
             self._discover_q.put(k)
         return True
 
+    def forget(self, tenant: bytes, hashes: Iterable[bytes]) -> None:
+        """Drop blocks the daemon could not restore (see the manager's load_failed)."""
+        self._set(tenant, hashes, False)
+
     def blocks(self) -> int:
         with self._lock:
             return sum(len(s) for s in self._ready.values())

@@ -211,6 +211,16 @@ class KVSealOffloadingManager(OffloadingManager):
             retry = True
         return LookupResult.RETRY if retry else LookupResult.MISS
 
+    def load_failed(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """A restore of these blocks failed (evicted meanwhile, failed verification,
+        daemon unreachable or slow): stop claiming them, so vLLM recomputes them
+        once and does not try (and fail) again. They come back if the daemon
+        announces them anew. Called by the connector, on the scheduler thread."""
+        tenant = self._tenant(req_context)
+        hashes = [self._h(k) for k in keys_]
+        for m in self.mirrors:
+            m.forget(tenant, hashes)
+
     def prepare_load(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         # The daemon pins blocks for the duration of the Restore itself; a block
         # evicted in between makes the restore fail safely (recompute).
@@ -284,7 +294,8 @@ class KVSealOffloadingWorker(OffloadingWorker):
         self.pool: EnginePool | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done: list[TransferResult] = []
-        self._failed_blocks: set[int] = set()
+        self._failed_blocks: set[int] = set()  # of failed loads get_finished reported
+        self._failed_jobs: dict[int, list[int]] = {}  # failed loads not reported yet
         self._pending: set[int] = set()
         self._cv = threading.Condition()
         self.stats = {"stores": 0, "loads": 0, "failed_loads": 0, "dropped_stores": 0}
@@ -369,6 +380,13 @@ class KVSealOffloadingWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         with self._cv:
             done, self._done = self._done, []
+            # A failed load's blocks are reported (take_failed_block_ids) in the same
+            # engine step as the job itself: vLLM requires that, and the scheduler
+            # side maps them back to the job's blocks (connector).
+            for r in done:
+                pages = self._failed_jobs.pop(r.job_id, None)
+                if pages is not None:
+                    self._failed_blocks.update(pages)
         return done
 
     def take_failed_block_ids(self) -> set[int]:
@@ -411,7 +429,7 @@ class KVSealOffloadingWorker(OffloadingWorker):
                     self.stats["loads"] += 1
                     if not ok:
                         self.stats["failed_loads"] += 1
-                        self._failed_blocks.update(job.pages)
+                        self._failed_jobs[job.job_id] = job.pages
                 # vLLM 0.32's OffloadingConnector asserts success: a dropped store is
                 # just a later miss, and a failed load is reported as load errors.
                 self._done.append(
