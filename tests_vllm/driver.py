@@ -276,7 +276,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(res))
     # Stop vLLM's engine-core and worker processes now: os._exit below skips the
     # interpreter's own shutdown, which would otherwise leave them running.
-    eng.llm.llm_engine.shutdown()
+    eng.llm.llm_engine.engine_core.shutdown()
     if daemon is not None:
         daemon.stop()
     os._exit(0)  # vLLM's atexit hooks can linger on 2 busy cores; the result is written
