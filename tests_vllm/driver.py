@@ -24,6 +24,7 @@ conversation so far, including the model's own previous answers):
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -176,6 +177,7 @@ def main() -> None:
     kv_bytes = KV_BLOCKS * BLOCK * 2 * 2 * 2 * 32 * 2
     if args.mode == "kvseal":
         daemon = Daemon(workdir / "daemon", extra=("--on-integrity-failure", "drop")).start()
+        atexit.register(daemon.stop)  # also when this driver fails
         sub = Subscriber(args.zmq_port)
     t0 = time.monotonic()
     eng = Engine(args.model, kv_bytes, daemon.socket if daemon else None, args.zmq_port)
