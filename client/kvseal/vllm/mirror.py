@@ -27,6 +27,7 @@ How the mirror stays honest:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import mmap
 import os
@@ -65,10 +66,17 @@ class ProbeBuffer:
             self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        # The name stays linked while the process lives (a restarted daemon opens it
+        # again); unlinked at exit even if close() is never called.
+        atexit.register(self._unlink)
 
-    def close(self) -> None:
+    def _unlink(self) -> None:
         with suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, self.name))
+
+    def close(self) -> None:
+        self._unlink()
+        atexit.unregister(self._unlink)
         with suppress(BufferError):
             self.map.close()
 
