@@ -5,8 +5,16 @@ token with the same engine without kvseal (see driver.py for the workload).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from tests_vllm.conftest import HERE
 from tests_vllm.driver import BLOCK, KV_BLOCKS
 
 
@@ -87,3 +95,33 @@ def test_kv_events_reach_vllms_publisher_with_medium_cpu(with_kvseal: dict[str, 
     assert with_kvseal["events"]["cpu_stored_unique"] > 0
     # the daemon's integrity drops and the restart's emptied tier were announced
     assert counts.get("BlockRemoved:CPU", 0) > 0
+
+
+def test_tensor_parallel_2_one_daemon_per_rank(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """TP=2: each rank offloads its own shard to its own daemon and restores from
+    it; a block is reused only when both ranks have it (a rank whose restore
+    fails makes vLLM recompute, and the tokens stay those of round 1)."""
+    work = tmp_path_factory.mktemp("tp2")
+    out = work / "result.json"
+    env = {
+        **os.environ,
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        # vLLM's CPU workers each want a NUMA node; bind one core each instead
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if (os.cpu_count() or 1) > 1 else "0|0",
+        "OMP_WAIT_POLICY": "PASSIVE",  # spinning OMP threads would starve the daemons
+    }
+    with open(work / "driver.log", "wb") as f:
+        rc = subprocess.run(
+            [sys.executable, str(HERE / "driver_tp2.py"), "--model", str(tiny_model),
+             "--workdir", str(work), "--out", str(out)],
+            stdout=f, stderr=subprocess.STDOUT, cwd=work, timeout=600, env=env,
+        ).returncode  # fmt: skip
+    assert rc == 0 and out.exists(), (work / "driver.log").read_text(errors="replace")[-6000:]
+    r = json.loads(out.read_text())
+    first = [o[2] for o in r["outs"] if o[0] == 0]
+    second = [o[2] for o in r["outs"] if o[0] == 1]
+    assert second == first
+    assert all(s["offloaded_blocks"] > 0 and s["restored_blocks"] > 0 for s in r["stats"])
+    assert sum(o[1] for o in r["outs"] if o[0] == 1) > 0
