@@ -27,7 +27,6 @@ How the mirror stays honest:
 
 from __future__ import annotations
 
-import atexit
 import logging
 import mmap
 import os
@@ -66,17 +65,13 @@ class ProbeBuffer:
             self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        # The name stays linked while the process lives (a restarted daemon opens it
-        # again); unlinked at exit even if close() is never called.
-        atexit.register(self._unlink)
 
-    def _unlink(self) -> None:
+    def unlink(self) -> None:
         with suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, self.name))
 
     def close(self) -> None:
-        self._unlink()
-        atexit.unregister(self._unlink)
+        self.unlink()
         with suppress(BufferError):
             self.map.close()
 
@@ -106,18 +101,16 @@ class DaemonMirror:
         self._client = KVSealClient(ClientConfig(target=target, timeout_s=2.0))
         self._pool_name = pool_name
         self._fingerprint = fingerprint
-        self._probe = ProbeBuffer(geometry.segments[0].page_stride or 1)
+        self._probe_size = geometry.segments[0].page_stride or 1
+        self._probe: ProbeBuffer | None = None
         g = pb.PoolGeometry()
         g.CopyFrom(geometry)
         del g.buffers[:]
-        g.buffers.append(
-            pb.BufferHandle(shm_name=self._probe.name, offset=0, size=self._probe.size)
-        )
         # One page whose single segment spans the page: the block byte count
         # (and so the namespace) stays the worker pool's.
         del g.segments[:]
         g.segments.append(
-            pb.Segment(buffer=0, offset=0, page_stride=self._probe.size, bytes=self._probe.size)
+            pb.Segment(buffer=0, offset=0, page_stride=self._probe_size, bytes=self._probe_size)
         )
         g.num_pages = 1
         self._geometry = g
@@ -212,7 +205,20 @@ class DaemonMirror:
     # ------------------------------------------------------------ thread
 
     def _register(self) -> None:
-        h = self._client.register_pool(self._pool_name, self._fingerprint, self._geometry)
+        # A fresh probe object per registration, unlinked as soon as the daemon has
+        # opened it (it maps the object at registration and never reopens it by
+        # name): nothing is left in /dev/shm, whatever kills this process.
+        probe = ProbeBuffer(self._probe_size)
+        g = pb.PoolGeometry()
+        g.CopyFrom(self._geometry)
+        g.buffers.append(pb.BufferHandle(shm_name=probe.name, offset=0, size=probe.size))
+        try:
+            h = self._client.register_pool(self._pool_name, self._fingerprint, g)
+        finally:
+            probe.unlink()
+        if self._probe is not None:
+            self._probe.close()
+        self._probe = probe
         if self.server_instance is not None and h.server_instance != self.server_instance:
             self.resets += 1
             self._clear()  # a restarted daemon: new key, empty cache
@@ -343,4 +349,5 @@ class DaemonMirror:
                 self._client.unregister_pool(self.pool_id)
         self._thread.join(2.0)
         self._client.close()
-        self._probe.close()
+        if self._probe is not None:
+            self._probe.close()
