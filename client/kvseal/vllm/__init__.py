@@ -1,0 +1,17 @@
+"""kvseal inside vLLM: the sealed host KV tier as a vLLM offloading spec.
+
+Enable it with one ``--kv-transfer-config`` line naming
+``KVSealOffloadingConnector`` from :mod:`kvseal.vllm.connector` (docs/vllm.md).
+
+- :mod:`kvseal.vllm.connector` — the connector (vLLM's OffloadingConnector plus
+  shared-memory KV cache on the CPU platform, cache_salt tenants, recompute on
+  a failed restore);
+- :mod:`kvseal.vllm.spec` — ``KVSealOffloadingSpec``, its manager (scheduler
+  process, lookups answered locally) and worker (transfers off vLLM's thread);
+- :mod:`kvseal.vllm.mirror` — the scheduler's event-fed copy of the daemon's
+  index;
+- :mod:`kvseal.vllm.keys` — vLLM hashes, salts and models mapped to kvseal's.
+
+Importing this package imports neither vLLM nor torch (the submodules
+``spec`` and ``connector`` do); it never imports server code.
+"""

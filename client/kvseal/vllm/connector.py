@@ -1,0 +1,106 @@
+"""``KVSealOffloadingConnector``: vLLM's OffloadingConnector with the kvseal spec.
+
+One config line enables it (docs/vllm.md)::
+
+    --kv-transfer-config '{"kv_connector":"KVSealOffloadingConnector",
+      "kv_connector_module_path":"kvseal.vllm.connector","kv_role":"kv_both",
+      "kv_load_failure_policy":"recompute",
+      "kv_connector_extra_config":{"kvseal_socket":"/run/kvseal/kvseal.sock"}}'
+
+What it adds to vLLM's own OffloadingConnector, and why:
+
+- the spec defaults to :class:`~kvseal.vllm.spec.KVSealOffloadingSpec`;
+- on the CPU platform the KV cache is allocated in a named POSIX shared-memory
+  object (``get_mem_pool_context``), which the daemon's CPU backend opens;
+- each request's ``cache_salt`` is handed to the manager (vLLM's ``ReqContext``
+  has none) and becomes the kvseal tenant; the salt stays in this process;
+- a restore that failed is reported as load errors of its blocks
+  (``get_block_ids_with_load_errors``): with ``kv_load_failure_policy`` set to
+  ``recompute`` vLLM recomputes them. vLLM 0.32's OffloadingConnector itself
+  supports no failed job; the connector forces ``recompute`` (and says so) when
+  the policy is left at vLLM's default ``fail``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from typing import Any
+
+from kvseal.vllm import shm_kv, spec
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.platforms import current_platform
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+log = logging.getLogger("kvseal.vllm")
+
+
+class KVSealOffloadingConnector(OffloadingConnector):
+    """See module doc."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        extra = ktc.kv_connector_extra_config
+        extra.setdefault("spec_name", "KVSealOffloadingSpec")
+        extra.setdefault("spec_module_path", "kvseal.vllm.spec")
+        if ktc.kv_load_failure_policy != "recompute":
+            log.warning(
+                "kvseal: kv_load_failure_policy=%r -> 'recompute' (a block that fails "
+                "verification or was evicted must be recomputed, not fail the request)",
+                ktc.kv_load_failure_policy,
+            )
+            ktc.kv_load_failure_policy = "recompute"
+        spec._current_vllm_config = vllm_config
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            spec._current_vllm_config = None
+
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        if current_platform.is_cpu():
+            return shm_kv.shm_kv_allocation()
+        return None
+
+    def on_new_request(self, request: Request) -> None:
+        spec.note_request_salt(request.request_id, request.cache_salt)
+        super().on_new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # Scheduler side: a step that reports load errors also reports the failed
+        # jobs as completed (the worker aligns the two). Tell the manager which
+        # blocks could not be restored before vLLM retires the jobs, so that the
+        # recomputed request does not find them again and fail again.
+        sched = self.connector_scheduler
+        meta = connector_output.kv_connector_worker_meta
+        if sched is not None and connector_output.invalid_block_ids and meta is not None:
+            mgr = sched.manager
+            if isinstance(mgr, spec.KVSealOffloadingManager):
+                # vLLM 0.32's (private) job and request tables. Every load job
+                # completed in this step is taken as failed: the GPU block ids of
+                # the errors cannot be mapped to jobs here, and a block wrongly
+                # forgotten only costs one recompute.
+                for job_id in getattr(meta, "completed_jobs", {}):
+                    job = sched._jobs.get(job_id)
+                    st = sched._req_status.get(job.req_id) if job is not None else None
+                    if job is not None and not job.is_store and st is not None:
+                        mgr.load_failed(job.keys, st.req_context)
+        super().update_connector_output(connector_output)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        w = self.connector_worker.worker if self.connector_worker is not None else None
+        if isinstance(w, spec.KVSealOffloadingWorker):
+            return w.take_failed_block_ids()
+        return set()

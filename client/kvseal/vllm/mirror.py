@@ -1,0 +1,353 @@
+"""The scheduler's local copy of what a kvseal daemon holds for this engine.
+
+vLLM asks ``OffloadingManager.lookup`` once per block, synchronously, on the
+scheduler thread; a gRPC round trip there (~0.8 ms) would stall every step.
+So lookups are answered from memory: a :class:`DaemonMirror` per rank keeps
+the set of READY blocks (tenant, 32-byte hash) of this engine's namespace on
+that rank's daemon, fed by the daemon's ``WatchEvents`` stream in a background
+thread. The scheduler thread only reads a Python set.
+
+How the mirror stays honest:
+
+- The namespace is learnt from the daemon, not recomputed: the mirror
+  registers a one-page *probe pool* with the same model fingerprint and block
+  geometry as the worker's KV pool (so the daemon gives it the same namespace)
+  and keeps it held for the life of the process. Its pool id also scopes the
+  resynchronising lookups.
+- It subscribes first, then resynchronises, so no event falls in between.
+- A watcher that fell behind is disconnected by the daemon (RESOURCE_EXHAUSTED):
+  the mirror resubscribes and re-checks every block it believes READY with
+  batched ``Lookup`` calls from its own thread, dropping the rest.
+- A daemon that went away (UNAVAILABLE) or restarted (new ``server_instance``,
+  a new key and an empty cache) empties the mirror.
+- The mirror may still be briefly wrong (an eviction not yet announced): then
+  the worker's ``Restore`` fails, nothing was written to the KV pool (the
+  daemon's all-or-nothing restore), and vLLM recomputes the blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import secrets
+import threading
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from typing import Any
+
+import grpc
+from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError, PoolHold
+from kvseal.client.shm import SHM_DIR
+from kvseal.v1 import kvseal_pb2 as pb
+
+log = logging.getLogger("kvseal.vllm")
+
+RESYNC_BATCH = 1024  # hashes per resynchronising Lookup (below the daemon's batch limit)
+MAX_ABSENT = 1 << 20  # known-absent blocks remembered for discovery before starting over
+
+# (rank, tenant, hash, present) -> None: called on every change, under no lock.
+ChangeFn = Callable[[int, bytes, bytes, bool], None]
+
+
+class ProbeBuffer:
+    """One page of shared memory for the probe pool (never read or written:
+    the probe pool is only used for its namespace, lookups and events)."""
+
+    def __init__(self, size: int) -> None:
+        self.name = f"kvseal-vllm-probe-{os.getpid()}-{secrets.token_hex(4)}"
+        self.size = size
+        path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    def unlink(self) -> None:
+        with suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, self.name))
+
+    def close(self) -> None:
+        self.unlink()
+        with suppress(BufferError):
+            self.map.close()
+
+
+class DaemonMirror:
+    """READY blocks of one namespace on one daemon, kept current in the background.
+
+    ``contains`` and ``blocks`` are safe from any thread; ``on_change`` (given at
+    construction) is called from the mirror's thread for every block that
+    appears or disappears. ``close`` stops the thread and releases the probe
+    pool.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        target: str,
+        pool_name: str,
+        fingerprint: bytes,
+        geometry: pb.PoolGeometry,
+        on_change: ChangeFn,
+        *,
+        retry_s: float = 0.5,
+    ) -> None:
+        self.rank = rank
+        self.target = target
+        self._client = KVSealClient(ClientConfig(target=target, timeout_s=2.0))
+        self._pool_name = pool_name
+        self._fingerprint = fingerprint
+        self._probe_size = geometry.segments[0].page_stride or 1
+        self._probe: ProbeBuffer | None = None
+        g = pb.PoolGeometry()
+        g.CopyFrom(geometry)
+        del g.buffers[:]
+        # One page whose single segment spans the page: the block byte count
+        # (and so the namespace) stays the worker pool's.
+        del g.segments[:]
+        g.segments.append(
+            pb.Segment(buffer=0, offset=0, page_stride=self._probe_size, bytes=self._probe_size)
+        )
+        g.num_pages = 1
+        self._geometry = g
+        self._on_change = on_change
+        self._retry_s = retry_s
+        self._lock = threading.Lock()
+        self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes READY on the daemon
+        self._stop = threading.Event()
+        self._call: object | None = None
+        self._hold: PoolHold | None = None
+        self.namespace: bytes | None = None
+        self.pool_id: str | None = None
+        self.server_instance: str | None = None
+        self.synced = threading.Event()  # set while the stream is live and resynced
+        # Discovery (opt-in): blocks the daemon held before this mirror subscribed.
+        self._absent: set[tuple[bytes, bytes]] = set()  # checked absent (or failed)
+        self._asked: set[tuple[bytes, bytes]] = set()  # queued or in flight
+        self._discover_q: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
+        self._discoverer: threading.Thread | None = None
+        self.resyncs = 0
+        self.resets = 0
+        self._thread = threading.Thread(target=self._run, name=f"kvseal-mirror-{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ reads
+
+    def contains(self, tenant: bytes, h: bytes) -> bool:
+        s = self._ready.get(tenant)
+        return s is not None and h in s
+
+    def known_absent(self, tenant: bytes, h: bytes) -> bool:
+        return (tenant, h) in self._absent
+
+    def discover(self, tenant: bytes, h: bytes) -> bool:
+        """Ask the daemon, in the background, whether it holds a block this mirror
+        has no word of (stored before it subscribed, e.g. by this engine's previous
+        incarnation). False when the mirror cannot ask now (not subscribed): treat
+        the block as a miss. Each block is asked about once; the answer (or a
+        failed call, taken as absent) lands in the mirror."""
+        if not self.synced.is_set():
+            return False
+        k = (tenant, h)
+        if k not in self._asked:
+            if self._discoverer is None:
+                self._discoverer = threading.Thread(
+                    target=self._discover_run, name=f"kvseal-discover-{self.rank}", daemon=True
+                )
+                self._discoverer.start()
+            self._asked.add(k)
+            self._discover_q.put(k)
+        return True
+
+    def forget(self, tenant: bytes, hashes: Iterable[bytes]) -> None:
+        """Drop blocks the daemon could not restore (see the manager's load_failed)."""
+        self._set(tenant, hashes, False)
+
+    def blocks(self) -> int:
+        with self._lock:
+            return sum(len(s) for s in self._ready.values())
+
+    # ------------------------------------------------------------ updates
+
+    def _set(self, tenant: bytes, hashes: Iterable[bytes], present: bool) -> None:
+        changed: list[bytes] = []
+        with self._lock:
+            s = self._ready.setdefault(tenant, set())
+            for h in hashes:
+                if present and h not in s:
+                    s.add(h)
+                    changed.append(h)
+                elif not present and h in s:
+                    s.discard(h)
+                    changed.append(h)
+                if not present:
+                    self._absent.add((tenant, h))
+            if not s:
+                self._ready.pop(tenant, None)
+        for h in changed:
+            self._on_change(self.rank, tenant, h, present)
+
+    def _forget_discovery(self) -> None:
+        self._absent = set()  # replaced, not cleared: readers need no lock
+
+    def _clear(self) -> None:
+        self._forget_discovery()
+        with self._lock:
+            old, self._ready = self._ready, {}
+        for tenant, hashes in old.items():
+            for h in hashes:
+                self._on_change(self.rank, tenant, h, False)
+
+    # ------------------------------------------------------------ thread
+
+    def _register(self) -> None:
+        # A fresh probe object per registration, unlinked as soon as the daemon has
+        # opened it (it maps the object at registration and never reopens it by
+        # name): nothing is left in /dev/shm, whatever kills this process.
+        probe = ProbeBuffer(self._probe_size)
+        g = pb.PoolGeometry()
+        g.CopyFrom(self._geometry)
+        g.buffers.append(pb.BufferHandle(shm_name=probe.name, offset=0, size=probe.size))
+        try:
+            h = self._client.register_pool(self._pool_name, self._fingerprint, g)
+        finally:
+            probe.unlink()
+        if self._probe is not None:
+            self._probe.close()
+        self._probe = probe
+        if self.server_instance is not None and h.server_instance != self.server_instance:
+            self.resets += 1
+            self._clear()  # a restarted daemon: new key, empty cache
+        self.namespace, self.pool_id, self.server_instance = (
+            h.namespace,
+            h.pool_id,
+            h.server_instance,
+        )
+        if self._hold is not None:
+            self._hold.close(wait=0)
+        self._hold = PoolHold(self._client._stub, h.pool_id, retry=True)
+
+    def _watch(self) -> object:
+        """Open the event stream now (not lazily, as ``KVSealClient.watch_events``
+        does): the subscription must exist before the resync reads the index."""
+        req = pb.WatchEventsRequest()
+        scope = "pool_id"  # the field of pool-scoped watches, where the proto has it
+        if scope in pb.WatchEventsRequest.DESCRIPTOR.fields_by_name:
+            setattr(req, scope, self.pool_id)
+        return self._client._stub.WatchEvents(req)
+
+    def _resync(self) -> None:
+        """Keep only the blocks the daemon still reports READY."""
+        assert self.pool_id is not None
+        self._forget_discovery()  # blocks stored during the gap may be known again
+        with self._lock:
+            snapshot = {t: list(s) for t, s in self._ready.items()}
+        for tenant, hashes in snapshot.items():
+            for i in range(0, len(hashes), RESYNC_BATCH):
+                batch = hashes[i : i + RESYNC_BATCH]
+                states = self._client.lookup(self.pool_id, tenant, batch).states
+                gone = [h for h, st in zip(batch, states, strict=False) if st != pb.BLOCK_READY]
+                if gone:
+                    self._set(tenant, gone, False)
+        self.resyncs += 1
+
+    def _run(self) -> None:
+        need_resync = False
+        while not self._stop.is_set():
+            try:
+                if self.pool_id is None or self._hold is None or self._hold.ended.is_set():
+                    self._register()
+                stream: Any = self._watch()
+                self._call = stream
+                if need_resync:
+                    self._resync()
+                    need_resync = False
+                self.synced.set()
+                for ev in stream:
+                    if ev.namespace != self.namespace:
+                        continue
+                    if ev.kind == pb.BLOCK_STORED:
+                        self._set(ev.tenant, ev.block_hashes, True)
+                    elif ev.kind == pb.BLOCK_REMOVED:
+                        self._set(ev.tenant, ev.block_hashes, False)
+                    if self._stop.is_set():
+                        return
+                need_resync = True  # the stream ended: resubscribe and re-check
+            except (KVSealRpcError, grpc.RpcError) as err:
+                e = err if isinstance(err, KVSealRpcError) else KVSealRpcError.from_rpc(err)
+                self.synced.clear()
+                if self._stop.is_set():
+                    return
+                if e.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    need_resync = True  # fell behind: events were lost
+                    continue
+                # The daemon is gone or refused us: nothing it held can be
+                # trusted to survive; register again when it answers.
+                log.info("kvseal mirror %d: %s; emptied, retrying", self.rank, e)
+                self._clear()
+                self.pool_id = None
+                need_resync = False
+            except Exception:  # the mirror must never take the scheduler down
+                self.synced.clear()
+                log.exception("kvseal mirror %d failed; emptied, retrying", self.rank)
+                self._clear()
+                self.pool_id = None
+            self._stop.wait(self._retry_s)
+
+    def _discover_run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._discover_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch = [first]
+            while len(batch) < RESYNC_BATCH:
+                try:
+                    batch.append(self._discover_q.get_nowait())
+                except queue.Empty:
+                    break
+            by_tenant: dict[bytes, list[bytes]] = {}
+            for tenant, h in batch:
+                by_tenant.setdefault(tenant, []).append(h)
+            for tenant, hashes in by_tenant.items():
+                ready: list[bytes] = []
+                pool_id = self.pool_id
+                try:
+                    if pool_id is not None:
+                        states = self._client.lookup(pool_id, tenant, hashes).states
+                        ready = [
+                            h for h, st in zip(hashes, states, strict=False) if st == pb.BLOCK_READY
+                        ]
+                except KVSealRpcError as e:
+                    log.info("kvseal mirror %d: discovery lookup failed: %s", self.rank, e)
+                if ready:
+                    self._set(tenant, ready, True)
+                got = set(ready)
+                for h in hashes:
+                    if h not in got:
+                        self._absent.add((tenant, h))  # absent, or unknown: a miss
+                    self._asked.discard((tenant, h))
+            if len(self._absent) > MAX_ABSENT:
+                self._forget_discovery()
+
+    def close(self) -> None:
+        self._stop.set()
+        call = self._call
+        cancel = getattr(call, "cancel", None)
+        if cancel is not None:
+            with suppress(Exception):
+                cancel()
+        hold = self._hold
+        if hold is not None:
+            hold.close(wait=0)
+        if self.pool_id is not None:
+            with suppress(KVSealRpcError):
+                self._client.unregister_pool(self.pool_id)
+        self._thread.join(2.0)
+        self._client.close()
+        if self._probe is not None:
+            self._probe.close()

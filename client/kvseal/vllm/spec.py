@@ -1,0 +1,560 @@
+"""kvseal as a vLLM ``OffloadingSpec``: the sealed host tier behind vLLM's
+OffloadingConnector.
+
+Enable it with :mod:`kvseal.vllm.connector` (one ``--kv-transfer-config``
+line, see docs/vllm.md); the spec can also be named on vLLM's own
+``OffloadingConnector`` (``spec_name``/``spec_module_path``), but then the
+KV cache is not in shared memory (CPU platform), ``cache_salt`` is not known
+(every request is the shared tenant; vLLM's salted hashes still never match
+across salts) and a failed restore cannot be reported as a recompute.
+
+- :class:`KVSealOffloadingManager` (scheduler process) answers ``lookup`` from
+  :class:`~kvseal.vllm.mirror.DaemonMirror`\\ s, one per rank: a block is a hit
+  only when every rank's daemon holds it. It makes no RPC on the scheduler
+  thread. ``prepare_store``/``prepare_load`` only describe the blocks (tenant,
+  32-byte hashes); capacity and eviction are the daemon's, whose evictions and
+  integrity drops come back through the mirrors as removals.
+- :class:`KVSealOffloadingWorker` (worker process) registers this rank's KV
+  pool with its daemon and turns ``submit_store``/``submit_load`` into
+  ``Offload``/``Restore`` calls on its own thread; ``get_finished`` reports each
+  job. A failed restore wrote nothing into the KV cache (the daemon verifies
+  every block before it writes any, and after a failed call touches nothing);
+  its destination blocks are reported through
+  :meth:`KVSealOffloadingWorker.take_failed_block_ids`, which the connector
+  hands to vLLM as load errors, so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvseal.client import ClientConfig, EnginePool, KVSealClient, tenant_digest
+from kvseal.v1 import kvseal_pb2 as pb
+from kvseal.vllm import keys, shm_kv
+from kvseal.vllm.mirror import DaemonMirror
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+log = logging.getLogger("kvseal.vllm")
+
+DEFAULT_SOCKET = "unix:///run/kvseal/kvseal.sock"
+SHARED_TENANT = tenant_digest(None)
+
+# Filled in by KVSealOffloadingConnector before vLLM builds the spec: the
+# engine's VllmConfig (head geometry, revision, hash algorithm) and the
+# request -> cache_salt map (vLLM's ReqContext carries no salt).
+_current_vllm_config: Any = None
+_salts: dict[str, str | None] = {}
+
+
+def note_request_salt(req_id: str, cache_salt: str | None) -> None:
+    """Record a request's ``cache_salt`` (scheduler process, before the
+    manager sees the request). Called by the connector."""
+    _salts[req_id] = cache_salt
+
+
+def socket_for_rank(extra: dict[str, Any], rank: int) -> str:
+    """The daemon of ``rank``: ``kvseal_sockets`` (a list, one per rank) or
+    ``kvseal_socket`` (may contain ``{rank}``; one daemon per GPU)."""
+    socks = extra.get("kvseal_sockets")
+    if socks:
+        s = str(socks[rank])
+    else:
+        s = str(extra.get("kvseal_socket", DEFAULT_SOCKET)).format(rank=rank)
+    return s if "://" in s else "unix://" + s
+
+
+@dataclass
+class KVSealLoadStoreSpec(LoadStoreSpec):
+    """What the worker needs to store or load blocks: the tenant digest (never
+    the salt), the blocks' 32-byte kvseal hashes in chain order (one per vLLM
+    block, matching the GPU spec's block ids one to one) and, for a store, the
+    hash of the block that precedes the first one in its chain."""
+
+    tenant: bytes
+    hashes: list[bytes]
+    parent_hash: bytes = b""
+
+    def __repr__(self) -> str:
+        return f"KVSealLoadStoreSpec({len(self.hashes)} blocks)"
+
+
+@dataclass
+class _ReqState:
+    tenant: bytes
+    stored_at: dict[int, bytes] = field(default_factory=dict)  # end token -> kvseal hash
+
+
+class KVSealOffloadingManager(OffloadingManager):
+    """Scheduler side (see module doc). ``lookup`` costs a few dictionary and
+    set operations; nothing here blocks on the daemon."""
+
+    def __init__(self, spec: KVSealOffloadingSpec) -> None:
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._reqs: dict[str, _ReqState] = {}
+        # (tenant, hash) -> ranks whose daemon holds the block; a hit needs all.
+        self._held: dict[tuple[bytes, bytes], int] = {}
+        self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes on every rank
+        self._events: queue.SimpleQueue[OffloadingEvent] = queue.SimpleQueue()
+        self._reverse: dict[bytes, bytes] = {}  # kvseal hash -> vLLM hash (non-identity)
+        self.world = spec.world_size
+        self.mirrors = [
+            DaemonMirror(
+                rank,
+                spec.socket(rank),
+                keys.pool_name(spec.engine_id, spec.dp_index, rank, "probe"),
+                spec.fingerprint(rank),
+                spec.geometry_template(),
+                self._changed,
+            )
+            for rank in range(self.world)
+        ]
+
+    # ------------------------------------------------------------ mirror feed
+
+    def _changed(self, rank: int, tenant: bytes, h: bytes, present: bool) -> None:
+        with self._lock:
+            k = (tenant, h)
+            n = self._held.get(k, 0)
+            n = n + 1 if present else max(0, n - 1)
+            before = h in self._ready.get(tenant, ())
+            if n:
+                self._held[k] = n
+            else:
+                self._held.pop(k, None)
+            after = n >= self.world
+            if after and not before:
+                self._ready.setdefault(tenant, set()).add(h)
+            elif before and not after:
+                s = self._ready[tenant]
+                s.discard(h)
+                if not s:
+                    del self._ready[tenant]
+            else:
+                return
+            vh = self._reverse.get(h, h)
+        if self.spec.kv_events_config.enable_kv_cache_events:
+            okey = OffloadKey(keys.make_offload_key(vh, self.spec.group))
+            self._events.put(OffloadingEvent(keys=[okey], medium=Medium.CPU, removed=not after))
+
+    # ------------------------------------------------------------ helpers
+
+    def _tenant(self, req_context: ReqContext) -> bytes:
+        st = self._reqs.get(req_context.req_id)
+        if st is None:  # a request we were not told about (e.g. request_finished)
+            st = self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
+        return st.tenant
+
+    def _tenant_of(self, req_id: str) -> bytes:
+        salt = _salts.get(req_id)
+        return tenant_digest(salt) if salt else SHARED_TENANT
+
+    def _h(self, key: OffloadKey) -> bytes:
+        vh = key[: -keys.OFFLOAD_GROUP_BYTES]
+        if len(vh) == keys.HASH_BYTES:
+            return bytes(vh)
+        h = keys.kvseal_hash(vh)
+        self._reverse[h] = bytes(vh)
+        return h
+
+    # ------------------------------------------------------------ vLLM API
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._reqs.pop(req_context.req_id, None)
+        _salts.pop(req_context.req_id, None)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        tenant = self._tenant(req_context)
+        h = self._h(key)
+        s = self._ready.get(tenant)
+        if s is not None and h in s:
+            return LookupResult.HIT
+        if not self.spec.discovery:
+            return LookupResult.MISS
+        # Discovery (opt-in): a block some rank's mirror has no word of is asked
+        # about in the background, and the request is looked up again next step
+        # (RETRY; vLLM keeps scanning, so all of the request's blocks are asked at
+        # once). Never for a block known absent, never waiting for a daemon away.
+        retry = False
+        for m in self.mirrors:
+            if m.contains(tenant, h):
+                continue
+            if m.known_absent(tenant, h) or not m.discover(tenant, h):
+                return LookupResult.MISS
+            retry = True
+        return LookupResult.RETRY if retry else LookupResult.MISS
+
+    def load_failed(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """A restore of these blocks failed (evicted meanwhile, failed verification,
+        daemon unreachable or slow): stop claiming them, so vLLM recomputes them
+        once and does not try (and fail) again. They come back if the daemon
+        announces them anew. Called by the connector, on the scheduler thread."""
+        tenant = self._tenant(req_context)
+        hashes = [self._h(k) for k in keys_]
+        for m in self.mirrors:
+            m.forget(tenant, hashes)
+
+    def prepare_load(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        # The daemon pins blocks for the duration of the Restore itself; a block
+        # evicted in between makes the restore fail safely (recompute).
+        return KVSealLoadStoreSpec(self._tenant(req_context), [self._h(k) for k in keys_])
+
+    def touch(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> None:
+        # Recency is the daemon's business (restores and re-offloads touch);
+        # an RPC per touch would put the daemon back on the scheduler thread.
+        return
+
+    def prepare_store(
+        self, keys_: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        tenant = self._tenant(req_context)
+        st = self._reqs[req_context.req_id]
+        ready = self._ready.get(tenant, set())
+        ordered = list(keys_)
+        to_store = [k for k in ordered if self._h(k) not in ready]
+        if not to_store:
+            return PrepareStoreOutput(
+                keys_to_store=[], store_spec=KVSealLoadStoreSpec(tenant, []), evicted_keys=[]
+            )
+        hashes = [self._h(k) for k in to_store]
+        parent = b""
+        pos = req_context.get_offload_key_position(to_store[0])
+        if pos is not None:
+            parent = st.stored_at.get(pos - self.spec.tokens_per_block[0], b"")
+            for k, h in zip(to_store, hashes, strict=True):
+                p = req_context.get_offload_key_position(k)
+                if p is not None:
+                    st.stored_at[p] = h
+        return PrepareStoreOutput(
+            keys_to_store=to_store,
+            store_spec=KVSealLoadStoreSpec(tenant, hashes, parent),
+            evicted_keys=[],  # the daemon evicts; removals arrive as events
+        )
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        while True:
+            try:
+                yield self._events.get_nowait()
+            except queue.Empty:
+                return
+
+    def reset_cache(self) -> None:
+        # vLLM's reset drops its own view; the sealed tier keeps serving restores
+        # it can verify, so only the per-request state goes.
+        self._reqs.clear()
+
+    def shutdown(self) -> None:
+        for m in self.mirrors:
+            m.close()
+
+
+@dataclass
+class _Job:
+    job_id: int
+    store: bool
+    spec: KVSealLoadStoreSpec
+    pages: list[int]
+
+
+class KVSealOffloadingWorker(OffloadingWorker):
+    """Worker side (see module doc). One transfer thread per worker: jobs run in
+    submission order, off vLLM's thread; the daemon batches each job's blocks."""
+
+    def __init__(self, spec: KVSealOffloadingSpec, kv_caches: CanonicalKVCaches) -> None:
+        self.spec = spec
+        self.rank = spec.rank
+        self.block_bytes = 0
+        self.pool: EnginePool | None = None
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._done: list[TransferResult] = []
+        self._failed_blocks: set[int] = set()  # of failed loads get_finished reported
+        self._failed_jobs: dict[int, list[int]] = {}  # failed loads not reported yet
+        self._pending: set[int] = set()
+        self._cv = threading.Condition()
+        self.stats = {"stores": 0, "loads": 0, "failed_loads": 0, "dropped_stores": 0}
+        geometry = self._geometry(kv_caches)
+        if geometry is not None:
+            # A stalled daemon delays only this rank's transfer thread (and the
+            # requests waiting for a load), never the engine: bounded by this.
+            timeout = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0))
+            self.client = KVSealClient(
+                ClientConfig(target=spec.socket(self.rank), transfer_timeout_s=timeout)
+            )
+            self.pool = EnginePool(
+                self.client,
+                keys.pool_name(spec.engine_id, spec.dp_index, self.rank, "kv"),
+                spec.fingerprint(self.rank),
+                geometry,
+            )
+        self._thread = threading.Thread(target=self._run, name="kvseal-transfers", daemon=True)
+        self._thread.start()
+
+    def _geometry(self, kv: CanonicalKVCaches) -> pb.PoolGeometry | None:
+        """This rank's KV pool as a kvseal geometry: one segment per layer of the
+        offloaded group, in layer order, over the shared-memory KV buffer."""
+        refs = kv.group_data_refs[0]
+        segs: list[pb.Segment] = []
+        alloc = None
+        num_pages = 0
+        for ref in refs:
+            t = kv.tensors[ref.tensor_idx].tensor
+            if t.device.type != "cpu":
+                log.error(
+                    "kvseal: the KV cache is on %s; this build of the adapter moves "
+                    "CPU-platform KV caches only: offloading disabled",
+                    t.device,
+                )
+                return None
+            nbytes = (t.shape[0] - 1) * t.stride(0) * t.element_size() + ref.page_size_bytes
+            a = shm_kv.find_allocation(t.data_ptr(), nbytes)
+            if a is None or (alloc is not None and a is not alloc):
+                log.error(
+                    "kvseal: the KV cache is not in shared memory (use "
+                    "kv_connector=KVSealOffloadingConnector): offloading disabled"
+                )
+                return None
+            alloc = a
+            num_pages = t.shape[0]
+            segs.append(
+                pb.Segment(
+                    buffer=0,
+                    offset=t.data_ptr() - a.base,
+                    page_stride=t.stride(0) * t.element_size(),
+                    bytes=ref.page_size_bytes,
+                )
+            )
+        assert alloc is not None
+        g = self.spec.geometry_template()
+        g.num_pages = num_pages
+        g.buffers.append(pb.BufferHandle(shm_name=alloc.shm_name, offset=0, size=alloc.size))
+        del g.segments[:]
+        g.segments.extend(segs)
+        self.block_bytes = sum(s.bytes for s in segs)
+        return g
+
+    # ------------------------------------------------------------ vLLM API
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        assert isinstance(dst_spec, KVSealLoadStoreSpec)
+        return self._submit(_Job(job_id, True, dst_spec, [int(b) for b in src_spec.block_ids]))
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        assert isinstance(src_spec, KVSealLoadStoreSpec)
+        return self._submit(_Job(job_id, False, src_spec, [int(b) for b in dst_spec.block_ids]))
+
+    def _submit(self, job: _Job) -> bool:
+        with self._cv:
+            self._pending.add(job.job_id)
+        self._jobs.put(job)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._cv:
+            done, self._done = self._done, []
+            # A failed load's blocks are reported (take_failed_block_ids) in the same
+            # engine step as the job itself: vLLM requires that, and the scheduler
+            # side maps them back to the job's blocks (connector).
+            for r in done:
+                pages = self._failed_jobs.pop(r.job_id, None)
+                if pages is not None:
+                    self._failed_blocks.update(pages)
+        return done
+
+    def take_failed_block_ids(self) -> set[int]:
+        """KV-cache blocks whose restore failed since the last call: nothing was
+        written into them; vLLM must recompute them."""
+        with self._cv:
+            out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: not (self._pending & job_ids))
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(5.0)
+        if self.pool is not None:
+            self.pool.close()
+            self.client.close()
+
+    # ------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            t0 = time.monotonic()
+            ok = False
+            try:
+                ok = self._transfer(job)
+            except Exception:  # never let a transfer kill the thread (vLLM would hang)
+                log.exception("kvseal: transfer job %d failed", job.job_id)
+            dt = time.monotonic() - t0
+            with self._cv:
+                if job.store:
+                    self.stats["stores"] += 1
+                    self.stats["dropped_stores"] += not ok
+                else:
+                    self.stats["loads"] += 1
+                    if not ok:
+                        self.stats["failed_loads"] += 1
+                        self._failed_jobs[job.job_id] = job.pages
+                # vLLM 0.32's OffloadingConnector asserts success: a dropped store is
+                # just a later miss, and a failed load is reported as load errors.
+                self._done.append(
+                    TransferResult(job.job_id, True, len(job.pages) * self.block_bytes, dt)
+                )
+                self._pending.discard(job.job_id)
+                self._cv.notify_all()
+
+    def _transfer(self, job: _Job) -> bool:
+        if not job.pages:
+            return True
+        if self.pool is None or len(job.pages) != len(job.spec.hashes):
+            return False
+        if job.store:
+            return self.pool.offload(
+                job.spec.tenant, job.spec.hashes, job.pages, job.spec.parent_hash or None
+            )
+        return self.pool.restore(job.spec.tenant, job.spec.hashes, job.pages)
+
+
+class KVSealOffloadingSpec(OffloadingSpec):
+    """The kvseal tier as a vLLM offloading spec.
+
+    ``kv_connector_extra_config`` keys: ``kvseal_socket`` (the daemon's socket;
+    ``{rank}`` is replaced by the worker's rank: one daemon per GPU) or
+    ``kvseal_sockets`` (a list, one per rank); ``kvseal_transfer_timeout_s``
+    (default 10: the deadline of one Offload/Restore); ``kvseal_lookup_discovery``
+    (default false: also find blocks the daemon held before this engine
+    subscribed, at the price of deferring a request with unknown blocks by a
+    scheduler step while one batched Lookup runs in the background). Supported: one offloaded
+    full-attention KV-cache group, one vLLM block per offloaded chunk (the
+    defaults); anything else is refused at start with a clear error.
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        if len(config.groups) != 1:
+            raise ValueError(
+                f"kvseal offloads one KV-cache group; this model has {len(config.groups)}"
+            )
+        if self.blocks_per_chunk != 1 or self.tokens_per_hash != self.tokens_per_block[0]:
+            raise ValueError(
+                "kvseal needs one vLLM block per offloaded chunk and hash "
+                f"(blocks_per_chunk={self.blocks_per_chunk}, tokens_per_hash="
+                f"{self.tokens_per_hash}, block_size={self.tokens_per_block[0]})"
+            )
+        self.group = config.groups[0].group_id
+        self.discovery = bool(self.extra_config.get("kvseal_lookup_discovery", False))
+        self.engine_id = config.engine_id
+        self.dp_index = config.parallel.data_parallel_index
+        self.rank = config.parallel.rank
+        self.world_size = config.parallel.world_size
+        vc = _current_vllm_config
+        self.revision: str | None = None
+        self.hash_algo = "sha256"
+        self.heads, self.head_dim = 0, 0
+        if vc is not None:
+            mc = vc.model_config
+            self.revision = mc.revision
+            self.hash_algo = str(vc.cache_config.prefix_caching_hash_algo)
+            self.heads = mc.get_num_kv_heads(vc.parallel_config)
+            self.head_dim = mc.get_head_size()
+        self._manager: KVSealOffloadingManager | None = None
+        self._worker: KVSealOffloadingWorker | None = None
+
+    def socket(self, rank: int) -> str:
+        return socket_for_rank(dict(self.extra_config), rank)
+
+    def fingerprint(self, rank: int) -> bytes:
+        c = self.config
+        g = c.groups[0]
+        return keys.model_fingerprint(
+            model=c.model.name,
+            revision=self.revision,
+            kv_dtype=c.model.dtype,
+            tokens_per_block=g.tokens_per_block,
+            layer_names=g.layer_names,
+            bytes_per_block=c.worker_kv_bytes_per_block,
+            kv_cache_layout=c.kv_cache_layout,
+            hash_algo=self.hash_algo,
+            group=self.group,
+            tp_rank=rank,
+            tp_size=c.parallel.tp_size,
+        )
+
+    def geometry_template(self) -> pb.PoolGeometry:
+        """The pool geometry without buffers: what the namespace depends on.
+        Block bytes are vLLM's page bytes of every layer (``layout`` says so:
+        they are in vLLM's in-page order, not kvseal's canonical L,KV,T,H,D)."""
+        c = self.config
+        g = c.groups[0]
+        n = len(g.layer_names)
+        per_layer = c.worker_kv_bytes_per_block // max(1, n)
+        return pb.PoolGeometry(
+            num_pages=1,
+            tokens_per_page=g.tokens_per_block,
+            num_layers=n,
+            num_kv_heads=self.heads,
+            head_dim=self.head_dim,
+            dtype=str(c.model.dtype).removeprefix("torch."),
+            layout=f"vllm-page:{c.kv_cache_layout or 'default'}"[:64],
+            segments=[
+                pb.Segment(
+                    buffer=0,
+                    offset=0,
+                    page_stride=c.worker_kv_bytes_per_block,
+                    bytes=c.worker_kv_bytes_per_block,
+                )
+            ]
+            if per_layer
+            else [],
+        )
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KVSealOffloadingManager(self)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KVSealOffloadingWorker(self, kv_caches)
+        return self._worker
+
+
+def iter_workers(spec: OffloadingSpec) -> Iterator[KVSealOffloadingWorker]:
+    w = getattr(spec, "_worker", None)
+    if isinstance(w, KVSealOffloadingWorker):
+        yield w

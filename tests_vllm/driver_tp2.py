@@ -1,0 +1,68 @@
+"""A real vLLM engine with tensor parallelism 2 (CPU platform, two worker
+processes), one kvseal daemon per rank (``kvseal_socket`` with ``{rank}``), as
+one GPU per rank would have. Two rounds of the same 8 prompts with an engine
+cache too small for them: round 2 must come back from both ranks' daemons.
+Writes JSON: per request (round, cached tokens, output tokens), per daemon stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests_vllm.daemon import Daemon
+
+    work = Path(args.workdir)
+    ds = [Daemon(work / f"gpu{r}").start() for r in (0, 1)]
+    atexit.register(lambda: [d.stop() for d in ds])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    sock = str(work / "gpu{rank}" / "run" / "kvseal.sock")
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        block_size=32,
+        kv_cache_memory_bytes=48 * 16384 // 2,  # per rank: half the heads
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=4,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVSealOffloadingConnector",
+            kv_connector_module_path="kvseal.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"kvseal_socket": sock},
+        ),
+    )
+    sp = SamplingParams(temperature=0, max_tokens=8, detokenize=False)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 1000) for _ in range(320)] for _ in range(8)]
+    outs = []
+    for rnd in range(2):
+        for p in prompts:
+            o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
+            outs.append((rnd, int(o.num_cached_tokens or 0), list(o.outputs[0].token_ids)))
+        time.sleep(1.0)  # offloads are asynchronous
+    Path(args.out).write_text(json.dumps({"outs": outs, "stats": [d.stats() for d in ds]}))
+    llm.llm_engine.engine_core.shutdown()
+    for d in ds:
+        d.stop()
+    os._exit(0)
