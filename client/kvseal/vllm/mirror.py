@@ -51,6 +51,10 @@ MAX_ABSENT = 1 << 20  # known-absent blocks remembered for discovery before star
 ChangeFn = Callable[[int, bytes, bytes, bool], None]
 
 
+# Any 32-byte hash: a Lookup of it only names the tenant on the probe pool.
+_INTRO_HASH = bytes(32)
+
+
 class ProbeBuffer:
     """One page of shared memory for the probe pool (never read or written:
     the probe pool is only used for its namespace, lookups and events)."""
@@ -130,6 +134,10 @@ class DaemonMirror:
         self._asked: set[tuple[bytes, bytes]] = set()  # queued or in flight
         self._discover_q: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
         self._discoverer: threading.Thread | None = None
+        # Tenants named on the probe pool, so its event stream carries them.
+        self._introduced: set[bytes] = set()
+        self._intro_q: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._introducer: threading.Thread | None = None
         self.resyncs = 0
         self.resets = 0
         self._thread = threading.Thread(target=self._run, name=f"kvseal-mirror-{rank}", daemon=True)
@@ -138,8 +146,38 @@ class DaemonMirror:
     # ------------------------------------------------------------ reads
 
     def contains(self, tenant: bytes, h: bytes) -> bool:
+        if tenant not in self._introduced:
+            self._introduce(tenant)
         s = self._ready.get(tenant)
         return s is not None and h in s
+
+    def _introduce(self, tenant: bytes) -> None:
+        """The daemon scopes a pool's event stream to the tenants that requests
+        on that pool named (README "Event and tenant metadata"); the worker's
+        transfers go through the worker's pool, so the first time the scheduler
+        meets a tenant the mirror names it on its own pool, in the background
+        (one Lookup), and from then on receives that tenant's events."""
+        self._introduced.add(tenant)
+        self._intro_q.put(tenant)
+        if self._introducer is None:
+            self._introducer = threading.Thread(
+                target=self._introduce_run, name=f"kvseal-introduce-{self.rank}", daemon=True
+            )
+            self._introducer.start()
+
+    def _introduce_run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                tenant = self._intro_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            pool_id = self.pool_id
+            if pool_id is None:
+                continue  # re-introduced after the next registration (_register)
+            try:
+                self._client.lookup(pool_id, tenant, [_INTRO_HASH])
+            except KVSealRpcError as e:
+                log.info("kvseal mirror %d: naming a tenant failed: %s", self.rank, e)
 
     def known_absent(self, tenant: bytes, h: bytes) -> bool:
         return (tenant, h) in self._absent
@@ -230,6 +268,9 @@ class DaemonMirror:
         if self._hold is not None:
             self._hold.close(wait=0)
         self._hold = PoolHold(self._client._stub, h.pool_id, retry=True)
+        # A new registration has named no tenant yet: name every one we know.
+        for tenant in list(self._introduced):
+            self._intro_q.put(tenant)
 
     def _watch(self) -> object:
         """Open the event stream now (not lazily, as ``KVSealClient.watch_events``
