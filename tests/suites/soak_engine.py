@@ -28,7 +28,7 @@ import random
 import signal
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,7 @@ class Counts:
     ok: Counter[str] = field(default_factory=Counter)  # op -> calls that succeeded
     errors: Counter[str] = field(default_factory=Counter)  # "CODE/REASON" -> n
     errors_by_op: Counter[str] = field(default_factory=Counter)  # "op CODE/REASON" -> n
+    restores_verified: int = 0  # successful restores (engine API ones too), all pages checked
     restored_blocks_checked: int = 0
     wrong_bytes: int = 0  # blocks a successful restore delivered wrong
     wrong_examples: list[str] = field(default_factory=list)
@@ -93,6 +94,7 @@ class Counts:
             "ok": dict(self.ok),
             "errors": dict(self.errors),
             "errors_by_op": dict(self.errors_by_op),
+            "restores_verified": self.restores_verified,
             "restored_blocks_checked": self.restored_blocks_checked,
             "wrong_bytes": self.wrong_bytes,
             "wrong_examples": self.wrong_examples[:5],
@@ -126,6 +128,13 @@ class Engine:
         self.pool: SharedKVPool | None = None
         self.engine: EnginePool | None = None
         self._last_write = 0.0
+        # Locality, as in serving: a skewed share of paths is hot, and restores
+        # mostly revisit what was offloaded lately (a conversation's next turn).
+        order = list(range(len(self.paths)))
+        self.rnd.shuffle(order)
+        self.hot = [self.paths[i] for i in order]
+        self.hot_weights = [1.0 / (rank + 1) for rank in range(len(order))]
+        self.recent: deque[tuple[bytes, list[bytes]]] = deque(maxlen=8)
 
     # ---------------------------------------------------------------- pools
 
@@ -169,6 +178,7 @@ class Engine:
 
     def check_pages(self, tenant: bytes, chain: list[bytes], pages: list[int]) -> None:
         assert self.pool is not None
+        self.counts.restores_verified += 1
         for h, p in zip(chain, pages, strict=True):
             self.counts.restored_blocks_checked += 1
             if self.pool.read_block(p) != block_content(tenant, h, self.block):
@@ -185,7 +195,7 @@ class Engine:
             return
         rnd = self.rnd
         tenant = rnd.choice(self.tenants)
-        path = rnd.choice(self.paths)
+        path = rnd.choices(self.hot, weights=self.hot_weights)[0]
         pages = list(range(len(path)))
         rnd.shuffle(pages)  # blocks land on any page, as an engine's allocator places them
         op = rnd.choices(
@@ -194,6 +204,10 @@ class Engine:
             weights=[36, 22, 8, 4, 12, 7, 6, 0.2, 5],
         )[0]  # fmt: skip
         self.counts.ops[op] += 1
+        if op.startswith("restore") and self.recent and rnd.random() < 0.7:
+            tenant, path = rnd.choice(self.recent)
+            pages = list(range(len(path)))
+            rnd.shuffle(pages)
         pid = h.pool_id
         c = self.client
         try:
@@ -206,6 +220,7 @@ class Engine:
                 for bh, p in zip(seg, dst, strict=True):
                     self.pool.write_block(p, block_content(tenant, bh, self.block))
                 c.offload(pid, tenant, seg, dst, parent_hash=path[a - 1] if a else None)
+                self.recent.append((tenant, path))
             elif op in ("restore", "restore_wb", "restore_blind"):
                 n = (
                     rnd.randint(1, len(path))
