@@ -226,12 +226,22 @@ class Engines:
     def start_all(self) -> None:
         self.live = [self.start(i, 0) for i in range(self.n)]
 
+    @staticmethod
+    def _wait_started(e: EngineProc, timeout: float = 30.0) -> None:
+        """Wait until ``e`` has written its first status (it handles SIGTERM by
+        then; the handler goes in before its imports, but the interpreter's own
+        start is a window) or exited."""
+        end = time.monotonic() + timeout
+        while not e.status.exists() and e.proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+
     def _reap(self, e: EngineProc, how: str) -> None:
         """Stop ``e``: "term" sends SIGTERM, "termed" only waits for an engine
         already sent one (a second SIGTERM could land while its interpreter
         finalizes, where the default action kills it), "kill" sends SIGKILL."""
         if how in ("term", "termed"):
             if how == "term":
+                self._wait_started(e)
                 e.proc.send_signal(signal.SIGTERM)
             try:
                 # An engine finishes its current call first (transfers have a
@@ -273,6 +283,7 @@ class Engines:
 
     def stop_all(self) -> None:
         for e in self.live:
+            self._wait_started(e)
             e.proc.send_signal(signal.SIGTERM)
         for e in self.live:
             self._reap(e, "termed")

@@ -32,8 +32,28 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvseal.client import ClientConfig, EnginePool, KVSealClient, KVSealRpcError, tenant_digest
-from kvseal.client.shm import KVShape, SharedKVPool
+STOP: list[bool] = []  # non-empty once SIGTERM/SIGINT arrived
+
+
+def _stop(signum: int, frame: object) -> None:
+    STOP.append(True)
+
+
+if __name__ == "__main__":
+    # Before the slow imports below: a SIGTERM that reaches an engine still
+    # starting up (seconds on a loaded machine) must stop it cleanly too, not
+    # kill it with the default action.
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+
+from kvseal.client import (  # noqa: E402
+    ClientConfig,
+    EnginePool,
+    KVSealClient,
+    KVSealRpcError,
+    tenant_digest,
+)
+from kvseal.client.shm import KVShape, SharedKVPool  # noqa: E402
 
 FINGERPRINT = b"model:soak"
 # 64 KiB blocks (2 layers, 8 KV heads, head dim 64, 16-token pages, bf16).
@@ -122,7 +142,6 @@ class Engine:
         self.tenants = [tenant_digest(TENANTS[i]) for i in args.tenants]
         self.paths = paths()
         self.counts = Counts()
-        self.stopping = False
         self.shape = KVShape(num_pages=MAX_CHAIN, **GEOMETRY)
         self.block = self.shape.block_bytes
         self.pool: SharedKVPool | None = None
@@ -265,7 +284,7 @@ class Engine:
         self.open_pool()
         ops_in_pool = 0
         pause = self.args.pause_ms / 1000.0
-        while not self.stopping:
+        while not STOP:
             self.step()
             ops_in_pool += 1
             if ops_in_pool >= self.args.cycle_ops:
@@ -293,14 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shm-prefix", required=True)
     p.add_argument("--status", required=True)
     args = p.parse_args(argv)
-    eng = Engine(args)
-
-    def stop(signum: int, frame: object) -> None:
-        eng.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    eng.run()
+    Engine(args).run()
     return 0
 
 
