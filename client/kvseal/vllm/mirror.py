@@ -146,17 +146,18 @@ class DaemonMirror:
     # ------------------------------------------------------------ reads
 
     def contains(self, tenant: bytes, h: bytes) -> bool:
-        if tenant not in self._introduced:
-            self._introduce(tenant)
         s = self._ready.get(tenant)
         return s is not None and h in s
 
-    def _introduce(self, tenant: bytes) -> None:
+    def introduce(self, tenant: bytes) -> None:
         """The daemon scopes a pool's event stream to the tenants that requests
         on that pool named (README "Event and tenant metadata"); the worker's
         transfers go through the worker's pool, so the first time the scheduler
         meets a tenant the mirror names it on its own pool, in the background
-        (one Lookup), and from then on receives that tenant's events."""
+        (one Lookup), and from then on receives that tenant's events. Cheap and
+        idempotent: call it for every new request."""
+        if tenant in self._introduced:
+            return
         self._introduced.add(tenant)
         self._intro_q.put(tenant)
         if self._introducer is None:

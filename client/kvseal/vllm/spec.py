@@ -170,7 +170,10 @@ class KVSealOffloadingManager(OffloadingManager):
 
     def _tenant_of(self, req_id: str) -> bytes:
         salt = _salts.get(req_id)
-        return tenant_digest(salt) if salt else SHARED_TENANT
+        tenant = tenant_digest(salt) if salt else SHARED_TENANT
+        for m in self.mirrors:  # so each daemon streams this tenant's events to us
+            m.introduce(tenant)
+        return tenant
 
     def _h(self, key: OffloadKey) -> bytes:
         vh = key[: -keys.OFFLOAD_GROUP_BYTES]
@@ -313,6 +316,17 @@ class KVSealOffloadingWorker(OffloadingWorker):
                 spec.fingerprint(self.rank),
                 geometry,
             )
+            # Registration runs in the background; at engine start-up (never on
+            # the engine's hot path) wait for it a little, so the first stores
+            # are not dropped. A daemon that is down costs this wait once.
+            if self.pool.wait_ready(float(spec.extra_config.get("kvseal_ready_wait_s", 10.0))):
+                log.info("kvseal: rank %d pool registered", self.rank)
+            else:
+                log.warning(
+                    "kvseal: rank %d pool not registered yet (%s); stores are dropped until it is",
+                    self.rank,
+                    self.pool.registration_error,
+                )
         self._thread = threading.Thread(target=self._run, name="kvseal-transfers", daemon=True)
         self._thread.start()
 
