@@ -113,7 +113,9 @@ class EngineProc:
         self.shm: list[str] = []
         self.pauses = 0
         self.exit_line: int | None = None
-        self.last_line = time.monotonic()
+        self.ready = False  # its "R" line: start-up is over, the workers run
+        self.stalls: list[str] = []  # its "W" lines: a pause not acknowledged in time
+        self.started = self.last_line = time.monotonic()
         self._offset = 0
         self._partial = b""
         cfg = run.cfg
@@ -316,6 +318,10 @@ class ChaosRun:
             e.pauses = int(parts[1])
         elif tag == "X":
             e.exit_line = int(parts[1])
+        elif tag == "R":
+            e.ready = True
+        elif tag == "W":
+            e.stalls.append(" ".join(parts[1:]))
 
     def start_engine(self, slot: int) -> None:
         self.engine_gens[slot] += 1
@@ -507,9 +513,22 @@ class ChaosRun:
         _until(acked, bound)
         for slot, e in self.engines.items():
             if slot in before:
-                self.c_hang.record(
-                    e.pauses > before[slot], f"engine {slot} did not pause within {bound:.0f} s"
-                )
+                self.c_hang.record(e.pauses > before[slot], self._stall_note(e, bound))
+
+    def _stall_note(self, e: EngineProc, bound: float) -> str:
+        """Why an engine did not ack a pause: its age, whether it had finished
+        starting, and the stacks it dumped (its ``W`` line; chaos_engine.py)."""
+        e.poll()
+        age = time.monotonic() - e.started
+        note = (
+            f"engine {e.slot} did not pause within {bound:.0f} s "
+            f"(started {age:.1f} s ago, {'running' if e.ready else 'still starting'}"
+        )
+        if e.stalls:
+            note += f"; stalled workers (W) {e.stalls[-1]}"
+        dump = e.err_path.read_text(errors="replace")
+        at = dump.rfind("--- pause not acknowledged")
+        return note + (f"); stacks:\n{dump[at:][-3000:]}" if at >= 0 else ")")
 
     # ------------------------------------------------------------- quiet points
 

@@ -25,7 +25,11 @@ tears a line): ``S <shm names...>`` at start; per call ``C <op> <via> <blocks>
 verified after a successful restore; ``K <n>`` pages of failed calls re-checked
 untouched; ``V <kind> <detail>`` for each violation, the moment it is seen; ``P <n>`` when paused (``--pause-file``
 exists: idle, every page swept) and ``U`` when resumed; ``X <code>`` on a clean
-exit (SIGTERM: the pool is released and its shm objects unlinked). Each worker
+exit (SIGTERM: the pool is released and its shm objects unlinked); ``R`` once
+the workers run (start-up is over); ``W <s> <workers>`` when a pause is still
+not acknowledged after ``--stall-dump`` seconds, with every thread's stack
+dumped to stderr at that moment (faulthandler) so the driver can say where the
+engine was stuck. Each worker
 flags ``1`` in its byte of ``--state-file`` while a large transfer is in
 flight, so the driver can aim kills into transfers.
 
@@ -35,6 +39,7 @@ Run as a script: ``python chaos_engine.py --target unix:///... --log ...``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import mmap
 import os
@@ -327,6 +332,30 @@ class Engine:
         self._pause_lock = threading.Lock()
         self._pause_acks: set[int] = set()
         self._pause_gen = 0
+        self.stall_dump_s = args.stall_dump
+
+    def watch_pauses(self) -> None:
+        """Diagnostics only: when a pause stays unacknowledged for ``stall_dump_s``,
+        log ``W`` and dump every thread's stack to stderr (once per pause)."""
+        while not self.stop.is_set():
+            if not self.paused():
+                self.stop.wait(0.05)
+                continue
+            gen, t0 = self._pause_gen, time.monotonic()
+            dumped = False
+            while self.paused() and not self.stop.is_set() and self._pause_gen == gen:
+                waited = time.monotonic() - t0
+                if not dumped and waited > self.stall_dump_s:
+                    with self._pause_lock:
+                        missing = sorted({w.idx for w in self.workers} - self._pause_acks)
+                    self.log.line("W", f"{waited:.1f}", *missing)
+                    print(f"--- pause not acknowledged after {waited:.1f} s", file=sys.stderr)
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                    sys.stderr.flush()
+                    dumped = True
+                self.stop.wait(0.05)
+            while self.paused() and not self.stop.is_set():
+                self.stop.wait(0.05)
 
     def paused(self) -> bool:
         return os.path.exists(self.pause_file)
@@ -355,6 +384,8 @@ class Engine:
         ]
         for t in threads:
             t.start()
+        threading.Thread(target=self.watch_pauses, name="chaos-pause-watch", daemon=True).start()
+        self.log.line("R")
         self.stop.wait()
         for t in threads:
             t.join(60)
@@ -385,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--universe", type=int, default=384)
     ap.add_argument("--transfer-timeout", type=float, default=2.0)
     ap.add_argument("--grace", type=float, default=0.3)
+    ap.add_argument("--stall-dump", type=float, default=10.0, help="see the W line")
     args = ap.parse_args(argv)
     stop = threading.Event()
     # Before the pool exists: a SIGTERM during start-up still ends in a clean exit.

@@ -647,6 +647,10 @@ class Daemon:
         sd_notify("STOPPING=1")
         log.info("shutting down: draining for up to %.1fs", self.cfg.grace_seconds)
         self.cache.begin_drain()  # streams end now; unary requests get the grace period
+        if self.gate is not None:
+            # gRPC stops listening below: a connection the relay accepted now could
+            # only be dropped. Refuse new ones at the socket; relayed ones drain.
+            self.gate.stop_accepting()
         self.server.stop(self.cfg.grace_seconds).wait()  # refuse new RPCs, drain the rest
         if self.gate is not None:
             self.gate.stop()
