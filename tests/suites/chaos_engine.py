@@ -283,8 +283,9 @@ class Worker:
         eng = self.eng
         it = 0
         while not eng.stop.is_set():
-            if eng.paused():
-                eng.ack_pause(self)
+            episode = eng.pause_episode()
+            if episode is not None:
+                eng.ack_pause(self, episode)
                 continue
             try:
                 (self.offload if self.rng.random() < 0.5 else self.restore)()
@@ -332,6 +333,7 @@ class Engine:
         self._pause_lock = threading.Lock()
         self._pause_acks: set[int] = set()
         self._pause_gen = 0
+        self._pause_episode: str | None = None
         self.stall_dump_s = args.stall_dump
 
     def watch_pauses(self) -> None:
@@ -360,16 +362,30 @@ class Engine:
     def paused(self) -> bool:
         return os.path.exists(self.pause_file)
 
-    def ack_pause(self, w: Worker) -> None:
+    def pause_episode(self) -> str | None:
+        """The driver's current pause (the pause file's content, written whole by a
+        rename), or None while not paused."""
+        try:
+            with open(self.pause_file) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def ack_pause(self, w: Worker, episode: str) -> None:
         """Idle while the driver restarts the daemon; the last worker to arrive
-        reports the pause once every page of every worker was swept."""
+        reports the pause once every page of every worker was swept. A worker waits
+        for the end of *this* pause: one that slept through an unpause (a starved
+        process) sees the next pause as a new one and acknowledges it again."""
         w.sweep("pause sweep")
         with self._pause_lock:
+            if self._pause_episode != episode:
+                self._pause_episode = episode
+                self._pause_acks.clear()
             self._pause_acks.add(w.idx)
             if len(self._pause_acks) == len(self.workers):
                 self._pause_gen += 1
                 self.log.line("P", self._pause_gen)
-        while self.paused() and not self.stop.is_set():
+        while self.pause_episode() == episode and not self.stop.is_set():
             time.sleep(0.01)
         with self._pause_lock:
             if w.idx in self._pause_acks:
