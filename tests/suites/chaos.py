@@ -113,7 +113,9 @@ class EngineProc:
         self.shm: list[str] = []
         self.pauses = 0
         self.exit_line: int | None = None
-        self.last_line = time.monotonic()
+        self.ready = False  # its "R" line: start-up is over, the workers run
+        self.stalls: list[str] = []  # its "W" lines: a pause not acknowledged in time
+        self.started = self.last_line = time.monotonic()
         self._offset = 0
         self._partial = b""
         cfg = run.cfg
@@ -225,6 +227,7 @@ class ChaosRun:
         self.target = "unix://" + str(self.daemon_dir / "run" / "kvseal.sock")
         self.daemon: DaemonProc | None = None
         self.engines: dict[int, EngineProc] = {}
+        self.pauses = 0
         self.engine_gens = [0] * cfg.engines
         self.probe_pool: SharedKVPool | None = None
         self.probe_hash: bytes | None = None
@@ -316,6 +319,10 @@ class ChaosRun:
             e.pauses = int(parts[1])
         elif tag == "X":
             e.exit_line = int(parts[1])
+        elif tag == "R":
+            e.ready = True
+        elif tag == "W":
+            e.stalls.append(" ".join(parts[1:]))
 
     def start_engine(self, slot: int) -> None:
         self.engine_gens[slot] += 1
@@ -418,9 +425,12 @@ class ChaosRun:
             if s.server_instance in self.instances:
                 problems.append(f"instance {s.server_instance} seen before")
             self.instances.add(s.server_instance)
-            if s.key_epoch != 0:
-                problems.append(f"key epoch {s.key_epoch}")
             if paused:  # no engine call can have reached it yet: all of it must be empty
+                # Key epochs are numbered across scopes (one per pool namespace and
+                # tenant), so only a daemon that has sealed nothing is at epoch 0;
+                # unpaused engines may have stored blocks already.
+                if s.key_epoch != 0:
+                    problems.append(f"key epoch {s.key_epoch}")
                 busy = {
                     k: getattr(s, k)
                     for k in (
@@ -494,7 +504,12 @@ class ChaosRun:
     def _pause(self) -> None:
         """Ask every engine to idle (it finishes its call, sweeps its pages, acks)."""
         before = {slot: e.pauses for slot, e in self.engines.items()}
-        self.pause_file.touch()
+        # Each pause has its own content (written whole: a rename), so an engine that
+        # slept through the unpause before this one still tells them apart.
+        self.pauses += 1
+        tmp = self.pause_file.with_suffix(".tmp")
+        tmp.write_text(str(self.pauses))
+        os.replace(tmp, self.pause_file)
         bound = self.cfg.transfer_timeout_s + self.cfg.grace_s + self.cfg.slack_s + 10
 
         def acked() -> bool:
@@ -507,9 +522,22 @@ class ChaosRun:
         _until(acked, bound)
         for slot, e in self.engines.items():
             if slot in before:
-                self.c_hang.record(
-                    e.pauses > before[slot], f"engine {slot} did not pause within {bound:.0f} s"
-                )
+                self.c_hang.record(e.pauses > before[slot], self._stall_note(e, bound))
+
+    def _stall_note(self, e: EngineProc, bound: float) -> str:
+        """Why an engine did not ack a pause: its age, whether it had finished
+        starting, and the stacks it dumped (its ``W`` line; chaos_engine.py)."""
+        e.poll()
+        age = time.monotonic() - e.started
+        note = (
+            f"engine {e.slot} did not pause within {bound:.0f} s "
+            f"(started {age:.1f} s ago, {'running' if e.ready else 'still starting'}"
+        )
+        if e.stalls:
+            note += f"; stalled workers (W) {e.stalls[-1]}"
+        dump = e.err_path.read_text(errors="replace")
+        at = dump.rfind("--- pause not acknowledged")
+        return note + (f"); stacks:\n{dump[at:][-3000:]}" if at >= 0 else ")")
 
     # ------------------------------------------------------------- quiet points
 
@@ -548,17 +576,25 @@ class ChaosRun:
         with d.client(timeout_s=5.0) as c:
             quiet = _until(lambda: c.stats().pools == 1 and c.stats().pool_holds == 0, 20.0)
             s = c.stats()
+        base = self.fd_samples[0][1] if self.fd_samples else None
+        same = [f for p, f in self.fd_samples if p == d.proc.pid]
+
+        def flat_now() -> bool:
+            # Across restarts the count may differ by the region's fds (memfd or a
+            # file); within one daemon's life it must not grow at all. A killed
+            # engine's relayed connection (3 fds: both relay halves and gRPC's end)
+            # closes a moment after its pool is gone: wait for that, not a leak.
+            fds = len(_fd_links(d.proc.pid))
+            return (base is None or fds <= base + 2) and (not same or fds <= min(same))
+
+        flat = _until(flat_now, 10.0)
         fds = len(_fd_links(d.proc.pid))
         self.fd_samples.append((d.proc.pid, fds))
         base = self.fd_samples[0][1]
-        same = [f for p, f in self.fd_samples[:-1] if p == d.proc.pid]
-        # Across restarts the count may differ by the region's fds (memfd or a
-        # file); within one daemon's life it must not grow at all.
-        flat = fds <= base + 2 and (not same or fds <= min(same))
         self.c_fds.record(
             quiet and flat,
             f"pid {d.proc.pid}: {fds} fds (first quiet point {base}, this daemon {same}); "
-            f"pools {s.pools}, holds {s.pool_holds}",
+            f"pools {s.pools}, holds {s.pool_holds}; {sorted(_fd_links(d.proc.pid))}",
         )
 
     def end_checks(self) -> None:

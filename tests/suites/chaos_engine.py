@@ -25,7 +25,11 @@ tears a line): ``S <shm names...>`` at start; per call ``C <op> <via> <blocks>
 verified after a successful restore; ``K <n>`` pages of failed calls re-checked
 untouched; ``V <kind> <detail>`` for each violation, the moment it is seen; ``P <n>`` when paused (``--pause-file``
 exists: idle, every page swept) and ``U`` when resumed; ``X <code>`` on a clean
-exit (SIGTERM: the pool is released and its shm objects unlinked). Each worker
+exit (SIGTERM: the pool is released and its shm objects unlinked); ``R`` once
+the workers run (start-up is over); ``W <s> <workers>`` when a pause is still
+not acknowledged after ``--stall-dump`` seconds, with every thread's stack
+dumped to stderr at that moment (faulthandler) so the driver can say where the
+engine was stuck. Each worker
 flags ``1`` in its byte of ``--state-file`` while a large transfer is in
 flight, so the driver can aim kills into transfers.
 
@@ -35,6 +39,7 @@ Run as a script: ``python chaos_engine.py --target unix:///... --log ...``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import mmap
 import os
@@ -278,8 +283,9 @@ class Worker:
         eng = self.eng
         it = 0
         while not eng.stop.is_set():
-            if eng.paused():
-                eng.ack_pause(self)
+            episode = eng.pause_episode()
+            if episode is not None:
+                eng.ack_pause(self, episode)
                 continue
             try:
                 (self.offload if self.rng.random() < 0.5 else self.restore)()
@@ -327,20 +333,59 @@ class Engine:
         self._pause_lock = threading.Lock()
         self._pause_acks: set[int] = set()
         self._pause_gen = 0
+        self._pause_episode: str | None = None
+        self.stall_dump_s = args.stall_dump
+
+    def watch_pauses(self) -> None:
+        """Diagnostics only: when a pause stays unacknowledged for ``stall_dump_s``,
+        log ``W`` and dump every thread's stack to stderr (once per pause)."""
+        while not self.stop.is_set():
+            if not self.paused():
+                self.stop.wait(0.05)
+                continue
+            gen, t0 = self._pause_gen, time.monotonic()
+            dumped = False
+            while self.paused() and not self.stop.is_set() and self._pause_gen == gen:
+                waited = time.monotonic() - t0
+                if not dumped and waited > self.stall_dump_s:
+                    with self._pause_lock:
+                        missing = sorted({w.idx for w in self.workers} - self._pause_acks)
+                    self.log.line("W", f"{waited:.1f}", *missing)
+                    print(f"--- pause not acknowledged after {waited:.1f} s", file=sys.stderr)
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                    sys.stderr.flush()
+                    dumped = True
+                self.stop.wait(0.05)
+            while self.paused() and not self.stop.is_set():
+                self.stop.wait(0.05)
 
     def paused(self) -> bool:
         return os.path.exists(self.pause_file)
 
-    def ack_pause(self, w: Worker) -> None:
+    def pause_episode(self) -> str | None:
+        """The driver's current pause (the pause file's content, written whole by a
+        rename), or None while not paused."""
+        try:
+            with open(self.pause_file) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def ack_pause(self, w: Worker, episode: str) -> None:
         """Idle while the driver restarts the daemon; the last worker to arrive
-        reports the pause once every page of every worker was swept."""
+        reports the pause once every page of every worker was swept. A worker waits
+        for the end of *this* pause: one that slept through an unpause (a starved
+        process) sees the next pause as a new one and acknowledges it again."""
         w.sweep("pause sweep")
         with self._pause_lock:
+            if self._pause_episode != episode:
+                self._pause_episode = episode
+                self._pause_acks.clear()
             self._pause_acks.add(w.idx)
             if len(self._pause_acks) == len(self.workers):
                 self._pause_gen += 1
                 self.log.line("P", self._pause_gen)
-        while self.paused() and not self.stop.is_set():
+        while self.pause_episode() == episode and not self.stop.is_set():
             time.sleep(0.01)
         with self._pause_lock:
             if w.idx in self._pause_acks:
@@ -355,6 +400,8 @@ class Engine:
         ]
         for t in threads:
             t.start()
+        threading.Thread(target=self.watch_pauses, name="chaos-pause-watch", daemon=True).start()
+        self.log.line("R")
         self.stop.wait()
         for t in threads:
             t.join(60)
@@ -385,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--universe", type=int, default=384)
     ap.add_argument("--transfer-timeout", type=float, default=2.0)
     ap.add_argument("--grace", type=float, default=0.3)
+    ap.add_argument("--stall-dump", type=float, default=10.0, help="see the W line")
     args = ap.parse_args(argv)
     stop = threading.Event()
     # Before the pool exists: a SIGTERM during start-up still ends in a clean exit.

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
+import faulthandler
 import grp
 import json
 import logging
@@ -647,6 +648,10 @@ class Daemon:
         sd_notify("STOPPING=1")
         log.info("shutting down: draining for up to %.1fs", self.cfg.grace_seconds)
         self.cache.begin_drain()  # streams end now; unary requests get the grace period
+        if self.gate is not None:
+            # gRPC stops listening below: a connection the relay accepted now could
+            # only be dropped. Refuse new ones at the socket; relayed ones drain.
+            self.gate.stop_accepting()
         self.server.stop(self.cfg.grace_seconds).wait()  # refuse new RPCs, drain the rest
         if self.gate is not None:
             self.gate.stop()
@@ -673,6 +678,32 @@ class Daemon:
         return self.exit_code
 
 
+EXIT_WATCHDOG_S = 3.0
+
+
+def _exit_watchdog(code: int, after_s: float) -> None:
+    """Everything is released once the daemon logged that it stopped; what is
+    left is the interpreter's exit, which joins every non-daemon thread (gRPC's
+    handler executor among them: concurrent.futures joins its workers at exit).
+    A thread that lingers there must not keep a stopped daemon alive (its
+    supervisor would SIGKILL it, and the exit status would be lost): if the
+    process still runs ``after_s`` seconds later, log every thread's stack (to
+    say which) and leave with ``code``."""
+
+    def expire() -> None:
+        time.sleep(after_s)
+        log.error("still running %.1f s after it stopped; thread stacks follow", after_s)
+        for h in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                h.flush()
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        logging.shutdown()
+        os._exit(code)
+
+    threading.Thread(target=expire, name="kvseal-exit-watchdog", daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_from_args(argv)
@@ -691,7 +722,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.begin_shutdown())
     daemon.start()
-    return daemon.wait()
+    code = daemon.wait()
+    _exit_watchdog(code, EXIT_WATCHDOG_S)  # the process's own entry point: exit it
+    return code
 
 
 if __name__ == "__main__":

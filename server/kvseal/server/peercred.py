@@ -105,7 +105,12 @@ class _Downstream(_Relay):
         try:
             _, up = await loop.create_unix_connection(_Relay, self.gate.internal_path)
         except OSError as e:
-            log.error("cannot reach the gRPC socket: %s", e)
+            if self.gate.draining:
+                # Accepted just before stop_accepting(): gRPC stopped listening for
+                # the shutdown. Expected, not an error; the client sees UNAVAILABLE.
+                log.info("refused a connection: kvseal is shutting down (%s)", e)
+            else:
+                log.error("cannot reach the gRPC socket: %s", e)
             self.transport.close()
             return
         assert isinstance(up, _Relay) and up.transport is not None
@@ -146,6 +151,7 @@ class PeerCredGate:
         self.mode = mode
         self.gid = gid
         self.denied = 0
+        self.draining = False  # stop_accepting() was called: shutdown has begun
         self._refusals: dict[int, tuple[float, int]] = {}  # uid -> (last logged, since)
         self.connections: set[_Downstream] = set()
         self._loop = asyncio.new_event_loop()
@@ -202,6 +208,23 @@ class PeerCredGate:
         if self.gid is not None:
             os.chown(self.public_path, -1, self.gid)
         os.chmod(self.public_path, self.mode)
+
+    def stop_accepting(self) -> None:
+        """Shutdown has begun: accept no new connection from now on (a client that
+        connects is refused by the kernel, ECONNREFUSED: its gRPC channel fails the
+        call UNAVAILABLE at once), while the connections already relayed keep
+        working so that requests in flight can finish. The socket file stays (and
+        so does the daemon's socket lock) until :meth:`stop`. Idempotent; returns
+        once the listening socket is closed."""
+        self.draining = True
+        if not self._thread.is_alive() or self._server is None:
+            return
+        server = self._server
+
+        async def close() -> None:
+            server.close()
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5)
 
     def stop(self) -> None:
         """Stop accepting, close relayed connections, remove the socket file."""
