@@ -162,15 +162,28 @@ def test_sigterm_while_offload_in_flight_does_not_crash(
     pool = pool_factory(num_pages=n, layout="vllm_cross_layer", geometry=geo)
     c = d.client(transfer_timeout_s=60.0)
     h = c.register_pool("big", FP, pool.geometry())
-    chain = _chain(n, tpp=16)
-    stub_call = threading.Thread(
-        target=lambda: _swallow(lambda: c.offload(h.pool_id, tenant_digest("t"), chain, range(n)))
-    )
-    stub_call.start()
-    deadline = time.monotonic() + 10
-    while c.stats().blocks_pending == 0:  # wait until the offload is sealing
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    # On a loaded machine the poll below can miss a whole offload: then try
+    # again with a fresh chain (into the now-freed pages' blocks' place).
+    for _attempt in range(5):
+        chain = _chain(n, tpp=16)
+        stub_call = threading.Thread(
+            target=lambda ch=chain: _swallow(  # type: ignore[misc]
+                lambda: c.offload(h.pool_id, tenant_digest("t"), ch, range(n))
+            )
+        )
+        stub_call.start()
+        deadline = time.monotonic() + 30
+        sealing = False
+        while stub_call.is_alive() and time.monotonic() < deadline:
+            if c.stats().blocks_pending > 0:  # the offload is sealing
+                sealing = True
+                break
+            time.sleep(0.005)
+        if sealing:
+            break
+        stub_call.join(60)
+        c.drop(h.pool_id, tenant_digest("t"), all_of_tenant=True)
+    assert sealing, "never caught the offload while it was sealing"
     d.proc.send_signal(signal.SIGTERM)
     rc = d.wait_exit(30)
     stub_call.join(30)
