@@ -476,6 +476,7 @@ class KVSealClient:
         owner_token: bytes = b"",
         timeout: float | None = None,
         hold_within_s: float | None = None,
+        observer: bool = False,
     ) -> PoolHandle:
         """Register (or replace) the pool named ``name``. ``owner_token``: the
         ``owner_token`` of an earlier handle for this name, which lets this engine
@@ -484,7 +485,10 @@ class KVSealClient:
         nothing mapped on the daemon. ``hold_within_s``: this client will open a
         HoldPool on the new pool within that many seconds; if none is ever opened
         (the engine died right after registering), the daemon unregisters the pool
-        then (the ``kvseal-hold-within-ms`` request metadata)."""
+        then (the ``kvseal-hold-within-ms`` request metadata). ``observer``: register
+        an observer pool (no memory; ``geometry`` has no pages, buffers or segments
+        and states ``block_bytes``): lookups, events and holds only, in the namespace
+        of the pools with that block geometry (see ``RegisterPoolRequest.observer``)."""
         md: tuple[tuple[str, str], ...] = ()
         if hold_within_s is not None:
             md = ((HOLD_WITHIN_METADATA_KEY, str(max(1, round(hold_within_s * 1000)))),)
@@ -496,6 +500,7 @@ class KVSealClient:
                 geometry=geometry,
                 backend=backend,
                 owner_token=owner_token,
+                observer=observer,
             ),
             timeout,
             md,
