@@ -726,6 +726,7 @@ class EnginePool:
         geometry: pb.PoolGeometry,
         *,
         hold: bool = True,
+        backend: pb.Backend = pb.BACKEND_UNSPECIFIED,
     ) -> None:
         cfg = client.config
         self.client = client
@@ -733,6 +734,8 @@ class EnginePool:
         self.model_fingerprint = model_fingerprint
         self.geometry = geometry
         self.hold = hold
+        # The backend the geometry's buffer handles are for (unspecified: the daemon's).
+        self.backend = backend
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # handle installed or closed
         self._handle: PoolHandle | None = None
@@ -825,6 +828,7 @@ class EnginePool:
                 self.name,
                 self.model_fingerprint,
                 self.geometry,
+                self.backend,
                 owner_token=self._owner_token,
                 timeout=cfg.timeout_s,
                 # A kill between this registration and its hold must not leave the
@@ -1035,15 +1039,24 @@ class EnginePool:
         block_hashes: Sequence[bytes],
         page_ids: Sequence[int],
         parent_hash: bytes | None = None,
+        cuda_event_ipc_handle: bytes = b"",
     ) -> bool:
         """Seal and store the pages. True: the daemon is done reading them.
         False: the pages are yours again — the daemon will not touch them after this
-        returns; the offload was dropped (nothing to undo)."""
+        returns; the offload was dropped (nothing to undo). ``cuda_event_ipc_handle``
+        (CUDA backend): as in :meth:`KVSealClient.offload`."""
         if not block_hashes:
             return False
 
         def call(h: PoolHandle) -> bool:
-            self.client.offload(h.pool_id, tenant, block_hashes, page_ids, parent_hash)
+            self.client.offload(
+                h.pool_id,
+                tenant,
+                block_hashes,
+                page_ids,
+                parent_hash,
+                cuda_event_ipc_handle=cuda_event_ipc_handle,
+            )
             return True
 
         return self._guarded(call, False)
@@ -1054,15 +1067,24 @@ class EnginePool:
         block_hashes: Sequence[bytes],
         page_ids: Sequence[int],
         release: bool = False,
+        cuda_event_ipc_handle: bytes = b"",
     ) -> bool:
         """True: every destination page now holds its verified block. False
         (integrity failure, miss, daemon down, no handle): the pages are yours
-        again — the daemon will not touch them after this returns; recompute them."""
+        again — the daemon will not touch them after this returns; recompute them.
+        ``cuda_event_ipc_handle`` (CUDA backend): as in :meth:`KVSealClient.restore`."""
         if not block_hashes:
             return False
 
         def call(h: PoolHandle) -> bool:
-            self.client.restore(h.pool_id, tenant, block_hashes, page_ids, release)
+            self.client.restore(
+                h.pool_id,
+                tenant,
+                block_hashes,
+                page_ids,
+                release,
+                cuda_event_ipc_handle=cuda_event_ipc_handle,
+            )
             return True
 
         return self._guarded(call, False)
