@@ -36,6 +36,13 @@ import pytest
 for _var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
     os.environ[_var] = "expandable_segments:False"
 torch = pytest.importorskip("torch")
+_cuda: Any = getattr(torch, "cuda", None)
+if _cuda is not None and getattr(_cuda, "is_initialized", lambda: False)():
+    # Initialised before this module (the variable is read then): set it there too.
+    _set: Any = getattr(getattr(torch, "_C", None), "_accelerator_setAllocatorSettings", None)
+    _set = _set or getattr(getattr(_cuda, "memory", None), "_set_allocator_settings", None)
+    if _set is not None:
+        _set("expandable_segments:False")
 
 from kvseal.client import ClientConfig, KVSealClient, tenant_digest  # noqa: E402
 from kvseal.server.cuda import compile as kc  # noqa: E402
