@@ -48,7 +48,9 @@ MAX_ABSENT = 1 << 20  # known-absent blocks remembered for discovery before star
 ChangeFn = Callable[[int, bytes, bytes, bool], None]
 
 
-# Any 32-byte hash: a Lookup of it only names the tenant on the observer pool.
+# Any 32-byte hash: a Touch of it only names the tenant on the observer pool
+# (touching a block that is absent changes nothing; a Touch, unlike a Lookup,
+# is not counted as a lookup by the daemon's statistics).
 _INTRO_HASH = bytes(32)
 
 
@@ -134,7 +136,7 @@ class DaemonMirror:
         on that pool named (README "Event and tenant metadata"); the worker's
         transfers go through the worker's pool, so the first time the scheduler
         meets a tenant the mirror names it on its own pool, in the background
-        (one Lookup), and from then on receives that tenant's events. Cheap and
+        (one Touch), and from then on receives that tenant's events. Cheap and
         idempotent: call it for every new request."""
         if tenant in self._introduced:
             return
@@ -156,7 +158,7 @@ class DaemonMirror:
             if pool_id is None:
                 continue  # re-introduced after the next registration (_register)
             try:
-                self._client.lookup(pool_id, tenant, [_INTRO_HASH])
+                self._client.touch(pool_id, tenant, [_INTRO_HASH])
             except KVSealRpcError as e:
                 log.info("kvseal mirror %d: naming a tenant failed: %s", self.rank, e)
 

@@ -328,11 +328,22 @@ class KVSealOffloadingWorker(OffloadingWorker):
                 kv_caches.tensors,
                 kv_caches.group_data_refs[0],
             )
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:  # RuntimeError: torch refused the export
             log.error("kvseal: %s: offloading disabled", e)
         if self.kv is not None:
             pool = self.kv.pool
             self.block_bytes = self.kv.block_bytes
+            expected = sum(s.bytes for s in spec.geometry_template().segments)
+            if expected != self.block_bytes:
+                # The scheduler's observer pool states the template's block bytes:
+                # in another namespace it would never hear of this pool's blocks.
+                log.error(
+                    "kvseal: rank %d blocks are %d bytes, vLLM reports %d per block: the "
+                    "scheduler will not see the stored blocks",
+                    self.rank,
+                    self.block_bytes,
+                    expected,
+                )
             # Registration runs in the background; at engine start-up (never on
             # the engine's hot path) wait for it a little, so the first stores
             # are not dropped. A daemon that is down costs this wait once.
