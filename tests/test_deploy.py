@@ -300,15 +300,21 @@ def test_rendered_pod_shape(name: str) -> None:
         assert not mount.get("readOnly"), "connect(2) needs write access to the socket"
     assert _option_value(sidecar["args"], "--listen") == f"unix://{SOCKET_IN_POD}"
     assert {"name": "KVSEAL_SOCKET", "value": SOCKET_IN_POD} in vllm["env"]
-    # The vLLM adapter (kvseal.client.vllm) is not shipped: the engine must not
-    # be pointed at a module it cannot import. The prepared patch stays valid.
-    assert "--kv-transfer-config" not in vllm["args"]
-    patch = yaml.safe_load(
-        (ROOT / "deploy/kubernetes/overlays/vllm/kv-transfer-config.yaml").read_text()
-    )
-    transfer = json.loads(patch[-1]["value"])
-    assert transfer["kv_connector"] == "OffloadingConnector"
-    assert transfer["kv_connector_extra_config"]["spec_module_path"] == "kvseal.client.vllm"
+    # vLLM is pointed at the kvseal adapter (docs/vllm.md), once, on the socket
+    # the sidecar listens on; a failed restore is recomputed.
+    assert vllm["args"].count("--kv-transfer-config") == 1
+    transfer = json.loads(_option_value(vllm["args"], "--kv-transfer-config"))
+    assert transfer == {
+        "kv_connector": "KVSealOffloadingConnector",
+        "kv_connector_module_path": "kvseal.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvseal_socket": SOCKET_IN_POD},
+    }
+    module = transfer["kv_connector_module_path"]
+    assert (ROOT / "client" / (module.replace(".", "/") + ".py")).is_file(), module
+    source = (ROOT / "client" / (module.replace(".", "/") + ".py")).read_text()
+    assert f"class {transfer['kv_connector']}(" in source
 
     # Probes go through the gRPC health service on that socket.
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

@@ -258,7 +258,7 @@ def main() -> None:
             daemon.kill()
         elif t == 3:
             daemon.start()
-            # Both the scheduler's probe pool and the worker's KV pool come back
+            # Both the scheduler's observer pool and the worker's KV pool come back
             # by themselves (the worker's on its next call after its back-off).
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and stats().get("pools", 0) < 1:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvseal.client import ClientConfig, KVSealClient, tenant_digest
+from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError, tenant_digest
 from kvseal.vllm import keys
 from kvseal.vllm.spec import (
     KVSealLoadStoreSpec,
@@ -254,3 +254,38 @@ def test_discovery_finds_blocks_stored_before_the_engine_subscribed(
         mgr.shutdown()
         plain.shutdown()
         worker.worker.shutdown()
+
+
+def test_the_mirror_is_an_observer_of_the_workers_namespace(two_daemons: list[Daemon]) -> None:
+    """The scheduler's mirror registers an observer pool (no memory: nothing in
+    /dev/shm, usable on a CUDA daemon): the worker pool's namespace, transfers
+    refused, the worker's blocks visible to it."""
+    sock = [two_daemons[0].target]
+    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("kvseal-vllm-probe")}
+    mgr = KVSealOffloadingSpec(offloading_config(sock, 0)).get_manager()
+    assert isinstance(mgr, KVSealOffloadingManager)
+    rank = Rank(sock, 0)
+    try:
+        m = mgr.mirrors[0]
+        assert wait_for(lambda: m.synced.is_set() and rank.worker.kv is not None)
+        assert rank.worker.kv is not None
+        worker_handle = rank.worker.kv.pool.handle
+        assert worker_handle is not None
+        assert m.namespace == worker_handle.namespace
+        assert {n for n in os.listdir("/dev/shm") if n.startswith("kvseal-vllm-probe")} == (
+            shm_before
+        )
+        tenant = tenant_digest(None)
+        h = [bytes([3]) * 32]
+        with KVSealClient(ClientConfig(target=sock[0])) as c:
+            assert m.pool_id is not None
+            with pytest.raises(KVSealRpcError) as err:
+                c.offload(m.pool_id, tenant, h, [0])
+            assert err.value.reason == "OBSERVER_POOL"
+        mgr.on_new_request(ReqContext(req_id="r"))  # names the shared tenant on the mirror
+        rank.fill(2, 2)
+        rank.run(True, tenant, h, [2])
+        assert wait_for(lambda: m.contains(tenant, h[0]))
+    finally:
+        mgr.shutdown()
+        rank.worker.shutdown()

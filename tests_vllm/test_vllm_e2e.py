@@ -74,7 +74,7 @@ def test_daemon_killed_mid_run_engine_keeps_serving_and_reuse_resumes(
     assert k["before_kill"]["restored_blocks"] > 0
     # After the restart the new daemon (new key, empty cache) is reused again.
     assert k["after"]["restored_blocks"] > 0
-    assert k["after"]["pools"] >= 2  # the scheduler's probe pool and the worker's KV pool
+    assert k["after"]["pools"] >= 2  # the scheduler's observer pool and the worker's KV pool
     assert sum(r["cached"] for r in k["turns"][-1]) > 0
 
 

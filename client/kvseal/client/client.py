@@ -476,6 +476,7 @@ class KVSealClient:
         owner_token: bytes = b"",
         timeout: float | None = None,
         hold_within_s: float | None = None,
+        observer: bool = False,
     ) -> PoolHandle:
         """Register (or replace) the pool named ``name``. ``owner_token``: the
         ``owner_token`` of an earlier handle for this name, which lets this engine
@@ -484,7 +485,10 @@ class KVSealClient:
         nothing mapped on the daemon. ``hold_within_s``: this client will open a
         HoldPool on the new pool within that many seconds; if none is ever opened
         (the engine died right after registering), the daemon unregisters the pool
-        then (the ``kvseal-hold-within-ms`` request metadata)."""
+        then (the ``kvseal-hold-within-ms`` request metadata). ``observer``: register
+        an observer pool (no memory; ``geometry`` has no pages, buffers or segments
+        and states ``block_bytes``): lookups, events and holds only, in the namespace
+        of the pools with that block geometry (see ``RegisterPoolRequest.observer``)."""
         md: tuple[tuple[str, str], ...] = ()
         if hold_within_s is not None:
             md = ((HOLD_WITHIN_METADATA_KEY, str(max(1, round(hold_within_s * 1000)))),)
@@ -496,6 +500,7 @@ class KVSealClient:
                 geometry=geometry,
                 backend=backend,
                 owner_token=owner_token,
+                observer=observer,
             ),
             timeout,
             md,
@@ -721,6 +726,7 @@ class EnginePool:
         geometry: pb.PoolGeometry,
         *,
         hold: bool = True,
+        backend: pb.Backend = pb.BACKEND_UNSPECIFIED,
     ) -> None:
         cfg = client.config
         self.client = client
@@ -728,6 +734,8 @@ class EnginePool:
         self.model_fingerprint = model_fingerprint
         self.geometry = geometry
         self.hold = hold
+        # The backend the geometry's buffer handles are for (unspecified: the daemon's).
+        self.backend = backend
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # handle installed or closed
         self._handle: PoolHandle | None = None
@@ -820,6 +828,7 @@ class EnginePool:
                 self.name,
                 self.model_fingerprint,
                 self.geometry,
+                self.backend,
                 owner_token=self._owner_token,
                 timeout=cfg.timeout_s,
                 # A kill between this registration and its hold must not leave the
@@ -1030,15 +1039,24 @@ class EnginePool:
         block_hashes: Sequence[bytes],
         page_ids: Sequence[int],
         parent_hash: bytes | None = None,
+        cuda_event_ipc_handle: bytes = b"",
     ) -> bool:
         """Seal and store the pages. True: the daemon is done reading them.
         False: the pages are yours again — the daemon will not touch them after this
-        returns; the offload was dropped (nothing to undo)."""
+        returns; the offload was dropped (nothing to undo). ``cuda_event_ipc_handle``
+        (CUDA backend): as in :meth:`KVSealClient.offload`."""
         if not block_hashes:
             return False
 
         def call(h: PoolHandle) -> bool:
-            self.client.offload(h.pool_id, tenant, block_hashes, page_ids, parent_hash)
+            self.client.offload(
+                h.pool_id,
+                tenant,
+                block_hashes,
+                page_ids,
+                parent_hash,
+                cuda_event_ipc_handle=cuda_event_ipc_handle,
+            )
             return True
 
         return self._guarded(call, False)
@@ -1049,15 +1067,24 @@ class EnginePool:
         block_hashes: Sequence[bytes],
         page_ids: Sequence[int],
         release: bool = False,
+        cuda_event_ipc_handle: bytes = b"",
     ) -> bool:
         """True: every destination page now holds its verified block. False
         (integrity failure, miss, daemon down, no handle): the pages are yours
-        again — the daemon will not touch them after this returns; recompute them."""
+        again — the daemon will not touch them after this returns; recompute them.
+        ``cuda_event_ipc_handle`` (CUDA backend): as in :meth:`KVSealClient.restore`."""
         if not block_hashes:
             return False
 
         def call(h: PoolHandle) -> bool:
-            self.client.restore(h.pool_id, tenant, block_hashes, page_ids, release)
+            self.client.restore(
+                h.pool_id,
+                tenant,
+                block_hashes,
+                page_ids,
+                release,
+                cuda_event_ipc_handle=cuda_event_ipc_handle,
+            )
             return True
 
         return self._guarded(call, False)

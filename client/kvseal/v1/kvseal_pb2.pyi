@@ -58,6 +58,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CANCELLED: _ClassVar[ErrorReason]
     POOL_NAME_TAKEN: _ClassVar[ErrorReason]
     INTERNAL_ERROR: _ClassVar[ErrorReason]
+    OBSERVER_POOL: _ClassVar[ErrorReason]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_CPU: Backend
 BACKEND_CUDA: Backend
@@ -92,6 +93,7 @@ DEADLINE_PASSED: ErrorReason
 CANCELLED: ErrorReason
 POOL_NAME_TAKEN: ErrorReason
 INTERNAL_ERROR: ErrorReason
+OBSERVER_POOL: ErrorReason
 
 class BufferHandle(_message.Message):
     __slots__ = ("shm_name", "cuda_ipc_handle", "offset", "size", "device")
@@ -120,7 +122,7 @@ class Segment(_message.Message):
     def __init__(self, buffer: _Optional[int] = ..., offset: _Optional[int] = ..., page_stride: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PoolGeometry(_message.Message):
-    __slots__ = ("num_pages", "tokens_per_page", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout", "buffers", "segments")
+    __slots__ = ("num_pages", "tokens_per_page", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout", "buffers", "segments", "block_bytes")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,7 @@ class PoolGeometry(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     tokens_per_page: int
     num_layers: int
@@ -139,21 +142,24 @@ class PoolGeometry(_message.Message):
     layout: str
     buffers: _containers.RepeatedCompositeFieldContainer[BufferHandle]
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
-    def __init__(self, num_pages: _Optional[int] = ..., tokens_per_page: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+    block_bytes: int
+    def __init__(self, num_pages: _Optional[int] = ..., tokens_per_page: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("name", "model_fingerprint", "geometry", "backend", "owner_token")
+    __slots__ = ("name", "model_fingerprint", "geometry", "backend", "owner_token", "observer")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OBSERVER_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_fingerprint: bytes
     geometry: PoolGeometry
     backend: Backend
     owner_token: bytes
-    def __init__(self, name: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
+    observer: bool
+    def __init__(self, name: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., owner_token: _Optional[bytes] = ..., observer: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolReply(_message.Message):
     __slots__ = ("pool_id", "namespace", "block_bytes", "backend", "server_instance", "owner_token")

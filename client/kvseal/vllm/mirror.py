@@ -10,10 +10,11 @@ thread. The scheduler thread only reads a Python set.
 How the mirror stays honest:
 
 - The namespace is learnt from the daemon, not recomputed: the mirror
-  registers a one-page *probe pool* with the same model fingerprint and block
-  geometry as the worker's KV pool (so the daemon gives it the same namespace)
-  and keeps it held for the life of the process. Its pool id also scopes the
-  resynchronising lookups.
+  registers an *observer pool* (``RegisterPoolRequest.observer``: no memory,
+  on any backend) with the same model fingerprint and block geometry as the
+  worker's KV pool, so the daemon gives it the same namespace, and keeps it
+  held for the life of the process. Its pool id scopes the event stream and
+  the resynchronising lookups.
 - It subscribes first, then resynchronises, so no event falls in between.
 - A watcher that fell behind is disconnected by the daemon (RESOURCE_EXHAUSTED):
   the mirror resubscribes and re-checks every block it believes READY with
@@ -28,10 +29,7 @@ How the mirror stays honest:
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import queue
-import secrets
 import threading
 from collections.abc import Callable, Iterable
 from contextlib import suppress
@@ -39,7 +37,6 @@ from typing import Any
 
 import grpc
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError, PoolHold
-from kvseal.client.shm import SHM_DIR
 from kvseal.v1 import kvseal_pb2 as pb
 
 log = logging.getLogger("kvseal.vllm")
@@ -51,33 +48,30 @@ MAX_ABSENT = 1 << 20  # known-absent blocks remembered for discovery before star
 ChangeFn = Callable[[int, bytes, bytes, bool], None]
 
 
-# Any 32-byte hash: a Lookup of it only names the tenant on the probe pool.
+# Any 32-byte hash: a Touch of it only names the tenant on the observer pool
+# (touching a block that is absent changes nothing; a Touch, unlike a Lookup,
+# is not counted as a lookup by the daemon's statistics).
 _INTRO_HASH = bytes(32)
 
 
-class ProbeBuffer:
-    """One page of shared memory for the probe pool (never read or written:
-    the probe pool is only used for its namespace, lookups and events)."""
-
-    def __init__(self, size: int) -> None:
-        self.name = f"kvseal-vllm-probe-{os.getpid()}-{secrets.token_hex(4)}"
-        self.size = size
-        path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-
-    def unlink(self) -> None:
-        with suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, self.name))
-
-    def close(self) -> None:
-        self.unlink()
-        with suppress(BufferError):
-            self.map.close()
+def observer_geometry(geometry: pb.PoolGeometry) -> pb.PoolGeometry:
+    """The observer-pool geometry of a pool geometry (buffers, if any, ignored):
+    the same block geometry (tokens_per_page, layers, heads, head_dim, dtype,
+    layout) and ``block_bytes`` (the segments' sum, or ``geometry.block_bytes``
+    when it has no segments), no pages, buffers or segments. The daemon derives
+    the namespace from exactly these fields and the fingerprint, so the observer
+    shares the namespace of every pool with this block geometry."""
+    block_bytes = sum(s.bytes for s in geometry.segments) or geometry.block_bytes
+    return pb.PoolGeometry(
+        num_pages=0,
+        tokens_per_page=geometry.tokens_per_page,
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        dtype=geometry.dtype,
+        layout=geometry.layout,
+        block_bytes=block_bytes,
+    )
 
 
 class DaemonMirror:
@@ -85,8 +79,8 @@ class DaemonMirror:
 
     ``contains`` and ``blocks`` are safe from any thread; ``on_change`` (given at
     construction) is called from the mirror's thread for every block that
-    appears or disappears. ``close`` stops the thread and releases the probe
-    pool.
+    appears or disappears. ``close`` stops the thread and unregisters the
+    observer pool.
     """
 
     def __init__(
@@ -105,19 +99,7 @@ class DaemonMirror:
         self._client = KVSealClient(ClientConfig(target=target, timeout_s=2.0))
         self._pool_name = pool_name
         self._fingerprint = fingerprint
-        self._probe_size = geometry.segments[0].page_stride or 1
-        self._probe: ProbeBuffer | None = None
-        g = pb.PoolGeometry()
-        g.CopyFrom(geometry)
-        del g.buffers[:]
-        # One page whose single segment spans the page: the block byte count
-        # (and so the namespace) stays the worker pool's.
-        del g.segments[:]
-        g.segments.append(
-            pb.Segment(buffer=0, offset=0, page_stride=self._probe_size, bytes=self._probe_size)
-        )
-        g.num_pages = 1
-        self._geometry = g
+        self._geometry = observer_geometry(geometry)
         self._on_change = on_change
         self._retry_s = retry_s
         self._lock = threading.Lock()
@@ -134,7 +116,7 @@ class DaemonMirror:
         self._asked: set[tuple[bytes, bytes]] = set()  # queued or in flight
         self._discover_q: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
         self._discoverer: threading.Thread | None = None
-        # Tenants named on the probe pool, so its event stream carries them.
+        # Tenants named on the observer pool, so its event stream carries them.
         self._introduced: set[bytes] = set()
         self._intro_q: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._introducer: threading.Thread | None = None
@@ -154,7 +136,7 @@ class DaemonMirror:
         on that pool named (README "Event and tenant metadata"); the worker's
         transfers go through the worker's pool, so the first time the scheduler
         meets a tenant the mirror names it on its own pool, in the background
-        (one Lookup), and from then on receives that tenant's events. Cheap and
+        (one Touch), and from then on receives that tenant's events. Cheap and
         idempotent: call it for every new request."""
         if tenant in self._introduced:
             return
@@ -176,7 +158,7 @@ class DaemonMirror:
             if pool_id is None:
                 continue  # re-introduced after the next registration (_register)
             try:
-                self._client.lookup(pool_id, tenant, [_INTRO_HASH])
+                self._client.touch(pool_id, tenant, [_INTRO_HASH])
             except KVSealRpcError as e:
                 log.info("kvseal mirror %d: naming a tenant failed: %s", self.rank, e)
 
@@ -244,20 +226,11 @@ class DaemonMirror:
     # ------------------------------------------------------------ thread
 
     def _register(self) -> None:
-        # A fresh probe object per registration, unlinked as soon as the daemon has
-        # opened it (it maps the object at registration and never reopens it by
-        # name): nothing is left in /dev/shm, whatever kills this process.
-        probe = ProbeBuffer(self._probe_size)
-        g = pb.PoolGeometry()
-        g.CopyFrom(self._geometry)
-        g.buffers.append(pb.BufferHandle(shm_name=probe.name, offset=0, size=probe.size))
-        try:
-            h = self._client.register_pool(self._pool_name, self._fingerprint, g)
-        finally:
-            probe.unlink()
-        if self._probe is not None:
-            self._probe.close()
-        self._probe = probe
+        # An observer pool maps nothing, on any backend (a CUDA daemon refuses
+        # shared memory): the registration is only a namespace and a pool id.
+        h = self._client.register_pool(
+            self._pool_name, self._fingerprint, self._geometry, observer=True
+        )
         if self.server_instance is not None and h.server_instance != self.server_instance:
             self.resets += 1
             self._clear()  # a restarted daemon: new key, empty cache
@@ -391,5 +364,3 @@ class DaemonMirror:
                 self._client.unregister_pool(self.pool_id)
         self._thread.join(2.0)
         self._client.close()
-        if self._probe is not None:
-            self._probe.close()

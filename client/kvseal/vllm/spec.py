@@ -34,9 +34,10 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvseal.client import ClientConfig, EnginePool, KVSealClient, tenant_digest
+from kvseal.client import ClientConfig, KVSealClient, tenant_digest
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm import keys, shm_kv
+from kvseal.vllm import keys
+from kvseal.vllm.kv_pool import EngineEvent, KVPool
 from kvseal.vllm.mirror import DaemonMirror
 
 from vllm.v1.kv_offload.base import (
@@ -284,17 +285,27 @@ class _Job:
     store: bool
     spec: KVSealLoadStoreSpec
     pages: list[int]
+    # CUDA: recorded on vLLM's stream when the job was submitted (kept alive
+    # until the transfer returned; see KVPool.engine_event).
+    event: EngineEvent | None = None
 
 
 class KVSealOffloadingWorker(OffloadingWorker):
     """Worker side (see module doc). One transfer thread per worker: jobs run in
-    submission order, off vLLM's thread; the daemon batches each job's blocks."""
+    submission order, off vLLM's thread; the daemon batches each job's blocks.
+
+    The KV cache is this rank's :class:`~kvseal.vllm.kv_pool.KVPool`: on vLLM's CPU
+    platform a shared-memory pool (CPU backend); on a GPU the KV tensors exported
+    with CUDA IPC (CUDA backend), each job carrying a CUDA event that vLLM's
+    stream recorded when it submitted the job, which the daemon waits for before
+    it reads (store) or writes (load) the pages. A KV cache that can be neither
+    disables offloading (logged; vLLM runs as without kvseal)."""
 
     def __init__(self, spec: KVSealOffloadingSpec, kv_caches: CanonicalKVCaches) -> None:
         self.spec = spec
         self.rank = spec.rank
         self.block_bytes = 0
-        self.pool: EnginePool | None = None
+        self.kv: KVPool | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done: list[TransferResult] = []
         self._failed_blocks: set[int] = set()  # of failed loads get_finished reported
@@ -302,76 +313,50 @@ class KVSealOffloadingWorker(OffloadingWorker):
         self._pending: set[int] = set()
         self._cv = threading.Condition()
         self.stats = {"stores": 0, "loads": 0, "failed_loads": 0, "dropped_stores": 0}
-        geometry = self._geometry(kv_caches)
-        if geometry is not None:
-            # A stalled daemon delays only this rank's transfer thread (and the
-            # requests waiting for a load), never the engine: bounded by this.
-            timeout = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0))
-            self.client = KVSealClient(
-                ClientConfig(target=spec.socket(self.rank), transfer_timeout_s=timeout)
-            )
-            self.pool = EnginePool(
+        # A stalled daemon delays only this rank's transfer thread (and the
+        # requests waiting for a load), never the engine: bounded by this.
+        timeout = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0))
+        self.client = KVSealClient(
+            ClientConfig(target=spec.socket(self.rank), transfer_timeout_s=timeout)
+        )
+        try:
+            self.kv = KVPool(
                 self.client,
                 keys.pool_name(spec.engine_id, spec.dp_index, self.rank, "kv"),
                 spec.fingerprint(self.rank),
-                geometry,
+                spec.geometry_template(),
+                kv_caches.tensors,
+                kv_caches.group_data_refs[0],
             )
+        except (ValueError, RuntimeError) as e:  # RuntimeError: torch refused the export
+            log.error("kvseal: %s: offloading disabled", e)
+        if self.kv is not None:
+            pool = self.kv.pool
+            self.block_bytes = self.kv.block_bytes
+            expected = sum(s.bytes for s in spec.geometry_template().segments)
+            if expected != self.block_bytes:
+                # The scheduler's observer pool states the template's block bytes:
+                # in another namespace it would never hear of this pool's blocks.
+                log.error(
+                    "kvseal: rank %d blocks are %d bytes, vLLM reports %d per block: the "
+                    "scheduler will not see the stored blocks",
+                    self.rank,
+                    self.block_bytes,
+                    expected,
+                )
             # Registration runs in the background; at engine start-up (never on
             # the engine's hot path) wait for it a little, so the first stores
             # are not dropped. A daemon that is down costs this wait once.
-            if self.pool.wait_ready(float(spec.extra_config.get("kvseal_ready_wait_s", 10.0))):
+            if pool.wait_ready(float(spec.extra_config.get("kvseal_ready_wait_s", 10.0))):
                 log.info("kvseal: rank %d pool registered", self.rank)
             else:
                 log.warning(
                     "kvseal: rank %d pool not registered yet (%s); stores are dropped until it is",
                     self.rank,
-                    self.pool.registration_error,
+                    pool.registration_error,
                 )
         self._thread = threading.Thread(target=self._run, name="kvseal-transfers", daemon=True)
         self._thread.start()
-
-    def _geometry(self, kv: CanonicalKVCaches) -> pb.PoolGeometry | None:
-        """This rank's KV pool as a kvseal geometry: one segment per layer of the
-        offloaded group, in layer order, over the shared-memory KV buffer."""
-        refs = kv.group_data_refs[0]
-        segs: list[pb.Segment] = []
-        alloc = None
-        num_pages = 0
-        for ref in refs:
-            t = kv.tensors[ref.tensor_idx].tensor
-            if t.device.type != "cpu":
-                log.error(
-                    "kvseal: the KV cache is on %s; this build of the adapter moves "
-                    "CPU-platform KV caches only: offloading disabled",
-                    t.device,
-                )
-                return None
-            nbytes = (t.shape[0] - 1) * t.stride(0) * t.element_size() + ref.page_size_bytes
-            a = shm_kv.find_allocation(t.data_ptr(), nbytes)
-            if a is None or (alloc is not None and a is not alloc):
-                log.error(
-                    "kvseal: the KV cache is not in shared memory (use "
-                    "kv_connector=KVSealOffloadingConnector): offloading disabled"
-                )
-                return None
-            alloc = a
-            num_pages = t.shape[0]
-            segs.append(
-                pb.Segment(
-                    buffer=0,
-                    offset=t.data_ptr() - a.base,
-                    page_stride=t.stride(0) * t.element_size(),
-                    bytes=ref.page_size_bytes,
-                )
-            )
-        assert alloc is not None
-        g = self.spec.geometry_template()
-        g.num_pages = num_pages
-        g.buffers.append(pb.BufferHandle(shm_name=alloc.shm_name, offset=0, size=alloc.size))
-        del g.segments[:]
-        g.segments.extend(segs)
-        self.block_bytes = sum(s.bytes for s in segs)
-        return g
 
     # ------------------------------------------------------------ vLLM API
 
@@ -386,6 +371,15 @@ class KVSealOffloadingWorker(OffloadingWorker):
         return self._submit(_Job(job_id, False, src_spec, [int(b) for b in dst_spec.block_ids]))
 
     def _submit(self, job: _Job) -> bool:
+        # On vLLM's thread, whose current stream issued the KV writes (store) and
+        # the last reads of the destination blocks (load): the daemon waits for it.
+        if self.kv is not None and self.kv.cuda and job.pages:
+            try:
+                job.event = self.kv.engine_event()
+            except (RuntimeError, ValueError) as e:
+                # Without the event the daemon could race the engine's stream: the
+                # job fails (a dropped store, a recomputed load) instead (_transfer).
+                log.error("kvseal: recording the job's CUDA event failed: %s", e)
         with self._cv:
             self._pending.add(job.job_id)
         self._jobs.put(job)
@@ -417,9 +411,9 @@ class KVSealOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         self._jobs.put(None)
         self._thread.join(5.0)
-        if self.pool is not None:
-            self.pool.close()
-            self.client.close()
+        if self.kv is not None:
+            self.kv.close()
+        self.client.close()
 
     # ------------------------------------------------------------ thread
 
@@ -455,13 +449,19 @@ class KVSealOffloadingWorker(OffloadingWorker):
     def _transfer(self, job: _Job) -> bool:
         if not job.pages:
             return True
-        if self.pool is None or len(job.pages) != len(job.spec.hashes):
+        if self.kv is None or len(job.pages) != len(job.spec.hashes):
             return False
+        if self.kv.cuda and job.event is None:
+            return False  # never without the engine's event (see _submit)
         if job.store:
-            return self.pool.offload(
-                job.spec.tenant, job.spec.hashes, job.pages, job.spec.parent_hash or None
+            return self.kv.offload(
+                job.spec.tenant,
+                job.spec.hashes,
+                job.pages,
+                job.spec.parent_hash or None,
+                event=job.event,
             )
-        return self.pool.restore(job.spec.tenant, job.spec.hashes, job.pages)
+        return self.kv.restore(job.spec.tenant, job.spec.hashes, job.pages, event=job.event)
 
 
 class KVSealOffloadingSpec(OffloadingSpec):

@@ -25,13 +25,14 @@ from kvseal.server.errors import (
     BadRequest,
     CapacityExhausted,
     IntegrityFailure,
+    ObserverPoolTransfer,
     PageOutOfRange,
     ShuttingDown,
     UnknownPool,
 )
 from kvseal.server.events import EventBus, EventKind, Subscription
 from kvseal.server.index import Entry, Index, Removal, State, StoreOutcome
-from kvseal.server.pools import Pool, PoolRegistry, PoolSpec
+from kvseal.server.pools import MappedPool, NoMemory, Pool, PoolRegistry, PoolSpec
 from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer, KeyDestroyed
 
 log = logging.getLogger("kvseal.cache")
@@ -217,6 +218,11 @@ class SealedCache:
                 seen.add(h)
 
     def _check_pages(self, pool: Pool, hashes: Sequence[bytes], pages: Sequence[int]) -> None:
+        if pool.observer:  # first: every transfer on an observer fails the same way
+            raise ObserverPoolTransfer(
+                f"pool {pool.pool_id!r} is an observer pool (no memory): Offload and Restore "
+                "go through the pool that registered the KV memory"
+            )
         if len(pages) != len(hashes):
             raise BadRequest(f"{len(hashes)} block_hashes but {len(pages)} page_ids")
         for i, p in enumerate(pages):
@@ -254,7 +260,8 @@ class SealedCache:
                 f"but this daemon runs {self.backend.kind}"
             )
         ns = spec.namespace()
-        mapped = self.backend.map_pool(spec)
+        # An observer pool has no memory: no backend maps anything for it.
+        mapped: MappedPool = NoMemory(spec) if spec.observer else self.backend.map_pool(spec)
         try:
             pool, old = self.pools.add(spec, ns, mapped, owner_token)
         except BaseException:
@@ -265,7 +272,8 @@ class SealedCache:
         if old is not None:
             log.info("pool %s replaced by %s", old.pool_id, pool.pool_id)
         log.info(
-            "registered pool %s: %d pages of %d bytes, layout %s",
+            "registered %s %s: %d pages of %d bytes, layout %s",
+            "observer pool" if spec.observer else "pool",
             pool.pool_id,
             pool.num_pages,
             pool.block_bytes,

@@ -59,8 +59,11 @@ def pool_spec(req: pb.RegisterPoolRequest, default_backend: str) -> PoolSpec:
         layout=g.layout,
         buffers=buffers,
         segments=segments,
+        declared_block_bytes=g.block_bytes,
     )
-    return PoolSpec(req.name, bytes(req.model_fingerprint), geometry, backend)
+    return PoolSpec(
+        req.name, bytes(req.model_fingerprint), geometry, backend, observer=req.observer
+    )
 
 
 def event(ev: BlockEvent) -> pb.BlockEvent:

@@ -123,6 +123,14 @@ class BackendMismatch(KVSealError):
     reason = "BACKEND_MISMATCH"
 
 
+class ObserverPoolTransfer(KVSealError):
+    """Offload or Restore on an observer pool, which has no memory to move
+    bytes from or to; nothing was read, written or reserved."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "OBSERVER_POOL"
+
+
 class IntegrityFailure(KVSealError):
     """A sealed block failed authentication: the host altered, swapped,
     replayed or removed it. The block is never served."""

@@ -64,10 +64,37 @@ class Geometry:
     layout: str
     buffers: tuple[BufferSpec, ...]
     segments: tuple[SegmentSpec, ...]
+    # PoolGeometry.block_bytes: required for an observer pool (no segments),
+    # optional elsewhere (then a cross-check of the segments' sum).
+    declared_block_bytes: int = 0
 
     @property
     def block_bytes(self) -> int:
+        """Bytes per block: the segments' sum, or for an observer pool (which has
+        none) the declared block bytes. Part of the namespace."""
+        if not self.segments:
+            return self.declared_block_bytes
         return sum(s.bytes for s in self.segments)
+
+    def validate_observer(self) -> None:
+        """Raise BadRequest unless this is an observer pool's geometry: no pages,
+        buffers or segments, a dtype, and the observed pool's block bytes."""
+        if self.num_pages or self.buffers or self.segments:
+            raise BadRequest(
+                "an observer pool has no memory: geometry.num_pages must be 0 and "
+                "geometry.buffers and geometry.segments empty (state the observed pool's "
+                "block size in geometry.block_bytes)"
+            )
+        if not 1 <= self.declared_block_bytes <= MAX_BLOCK_BYTES:
+            raise BadRequest(
+                f"an observer pool needs geometry.block_bytes in [1, {MAX_BLOCK_BYTES}] (the "
+                f"observed pool's block bytes), got {self.declared_block_bytes}"
+            )
+        if not _DTYPE.fullmatch(self.dtype) or not _LAYOUT.fullmatch(self.layout):
+            raise BadRequest(
+                "geometry.dtype is required; dtype and layout are at most 64 "
+                "printable ASCII characters"
+            )
 
     def validate(self, backend: str) -> None:
         """Raise BadRequest naming the first problem; ``backend`` is "cpu" or
@@ -126,6 +153,11 @@ class Geometry:
         )
         if self.block_bytes > MAX_BLOCK_BYTES:
             raise BadRequest(f"a block would be {self.block_bytes} bytes (limit {MAX_BLOCK_BYTES})")
+        if self.declared_block_bytes and self.declared_block_bytes != self.block_bytes:
+            raise BadRequest(
+                f"geometry.block_bytes is {self.declared_block_bytes} but the segments add up "
+                f"to {self.block_bytes} bytes per block"
+            )
 
 
 # ------------------------------------------------------------------ aliasing
@@ -315,17 +347,29 @@ class PoolSpec:
     model_fingerprint: bytes
     geometry: Geometry
     backend: str  # "cpu" | "cuda"
+    # An observer pool (RegisterPoolRequest.observer): a namespace without memory.
+    observer: bool = False
 
     def validate(self) -> None:
         if not _POOL_NAME.fullmatch(self.name):
             raise BadRequest("name must be 1-128 chars of letters, digits, '.', '_', ':', '-'")
         if not 1 <= len(self.model_fingerprint) <= MAX_FINGERPRINT:
             raise BadRequest(f"model_fingerprint must be 1..{MAX_FINGERPRINT} bytes")
-        self.geometry.validate(self.backend)
+        if self.observer:
+            self.geometry.validate_observer()
+        else:
+            self.geometry.validate(self.backend)
 
     def namespace(self) -> bytes:
         """Cache namespace: blocks are shared between pools with the same
-        model fingerprint and the same block byte layout, and nowhere else."""
+        model fingerprint and the same block byte layout, and nowhere else.
+
+        SHA-256 of ``"kvseal/namespace/v1\\0"``, then the model fingerprint, dtype
+        and layout (each as a 4-byte big-endian length and its bytes), then
+        tokens_per_page, num_layers, num_kv_heads, head_dim (4 bytes each) and
+        block_bytes (8 bytes), big-endian. Pages, buffers and segment placement
+        are not part of it, so an observer pool that states the same fields has
+        the namespace of the pool it observes."""
         g = self.geometry
         h = hashlib.sha256(b"kvseal/namespace/v1\x00")
         for part in (self.model_fingerprint, g.dtype.encode(), g.layout.encode()):
@@ -345,6 +389,17 @@ class MappedPool(Protocol):
 
     def close(self) -> None:
         """Release the mapping. Called once, when no request uses the pool."""
+
+
+@dataclass(eq=False)
+class NoMemory:
+    """The "mapping" of an observer pool: there is none (no backend was asked
+    to map anything), so closing it releases nothing."""
+
+    spec: PoolSpec
+
+    def close(self) -> None:
+        return
 
 
 @dataclass(eq=False)
@@ -369,6 +424,10 @@ class Pool:
     @property
     def num_pages(self) -> int:
         return self.spec.geometry.num_pages
+
+    @property
+    def observer(self) -> bool:
+        return self.spec.observer
 
 
 class PoolRegistry:
