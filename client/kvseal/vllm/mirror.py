@@ -151,6 +151,12 @@ class DaemonMirror:
         s = self._ready.get(tenant)
         return s is not None and h in s
 
+    def introduce(self, tenant: bytes) -> None:
+        """Name ``tenant`` on this mirror's pool (once, in the background), so the
+        pool's event stream carries its blocks. Idempotent, never blocks."""
+        if tenant not in self._introduced:
+            self._introduce(tenant)
+
     def _introduce(self, tenant: bytes) -> None:
         """The daemon scopes a pool's event stream to the tenants that requests
         on that pool named (README "Event and tenant metadata"); the worker's

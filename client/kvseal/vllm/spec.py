@@ -183,7 +183,12 @@ class KVSealOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------ vLLM API
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
+        st = self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
+        # The daemon scopes the mirrors' event streams to tenants named on their
+        # pools: without this, lookup (which reads only the mirrored sets) would
+        # never hear of the blocks this engine stores.
+        for m in self.mirrors:
+            m.introduce(st.tenant)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -299,6 +304,9 @@ class KVSealOffloadingWorker(OffloadingWorker):
         self._pending: set[int] = set()
         self._cv = threading.Condition()
         self.stats = {"stores": 0, "loads": 0, "failed_loads": 0, "dropped_stores": 0}
+        # Write-back: a restored block's host copy is released (the engine holds
+        # it again; the daemon frees its slot). Default write-through: it stays.
+        self.write_back = bool(spec.extra_config.get("kvseal_write_back", False))
         geometry = self._geometry(kv_caches)
         if geometry is not None:
             # A stalled daemon delays only this rank's transfer thread (and the
@@ -447,7 +455,9 @@ class KVSealOffloadingWorker(OffloadingWorker):
             return self.pool.offload(
                 job.spec.tenant, job.spec.hashes, job.pages, job.spec.parent_hash or None
             )
-        return self.pool.restore(job.spec.tenant, job.spec.hashes, job.pages)
+        return self.pool.restore(
+            job.spec.tenant, job.spec.hashes, job.pages, release=self.write_back
+        )
 
 
 class KVSealOffloadingSpec(OffloadingSpec):
@@ -456,7 +466,9 @@ class KVSealOffloadingSpec(OffloadingSpec):
     ``kv_connector_extra_config`` keys: ``kvseal_socket`` (the daemon's socket;
     ``{rank}`` is replaced by the worker's rank: one daemon per GPU) or
     ``kvseal_sockets`` (a list, one per rank); ``kvseal_transfer_timeout_s``
-    (default 10: the deadline of one Offload/Restore); ``kvseal_lookup_discovery``
+    (default 10: the deadline of one Offload/Restore); ``kvseal_write_back``
+    (default false: write-through, a restored block stays in the tier; true: its
+    host copy is released once restored); ``kvseal_lookup_discovery``
     (default false: also find blocks the daemon held before this engine
     subscribed, at the price of deferring a request with unknown blocks by a
     scheduler step while one batched Lookup runs in the background). Supported: one offloaded

@@ -1,0 +1,158 @@
+"""Tables and plots of docs/serving.md from a results JSON of bench.serving.run.
+
+    python -m bench.serving.report RESULTS.json [--md OUT.md] [--png-prefix docs/serving]
+
+writes the markdown tables (to stdout, or between the ``<!-- tables -->``
+markers of ``--md``) and the PNG plots (throughput vs rate, TTFT p50/p99 vs
+gap, cached share per arm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+NAMES = {"none": "no offload", "plain": "plaintext anchor", "wt": "kvseal write-through",
+         "wb": "kvseal write-back"}  # fmt: skip
+BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+
+
+def _points(res: dict[str, Any], arm: str, wl: str) -> list[dict[str, Any]]:
+    return [p for p in res["arms"].get(arm, {}).get("points", []) if p["workload"] == wl]
+
+
+def _match(res: dict[str, Any], arm: str, p: dict[str, Any]) -> dict[str, Any] | None:
+    for q in _points(res, arm, p["workload"]):
+        if q["x"] == p["x"]:
+            return q
+    return None
+
+
+def tables(res: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    arms = list(res["arms"])
+    out.append("Per-token costs (one request alone, TTFT / 1,024 prompt tokens):")
+    out.append("")
+    out.append("| arm | compute (cold prefill), ms/token | restored from the tier, ms/token | tokens restored |")
+    out.append("| --- | --- | --- | --- |")
+    for a in arms:
+        c = res["arms"][a].get("costs", {})
+        r = c.get("restore_ms_per_token")
+        out.append(f"| {NAMES.get(a, a)} | {c.get('compute_ms_per_token', 0):.3f} | "
+                   f"{'—' if r is None else f'{r:.3f}'} | {c.get('restored_cached_tokens', '—')} |")  # fmt: skip
+    for wl, title in (("llmd", "llm-d shape (Poisson arrivals)"),
+                      ("conv", "conversation replay (gap 0 = saturated)"),
+                      ("fits", "fits in the engine cache")):  # fmt: skip
+        out += ["", f"**{title}**", ""]
+        out.append("| arm | point | req/s | out tok/s | TTFT mean / p50 / p99 s | cached: engine / tier"
+                   " | restored / offloaded blocks | integrity failures | req/s vs no offload |")  # fmt: skip
+        out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for a in arms:
+            for p in _points(res, a, wl):
+                base = _match(res, "none", p)
+                ratio = p["req_s"] / base["req_s"] if base and base["req_s"] else 0.0
+                rb = "—" if p["restored_blocks"] is None else f"{p['restored_blocks']} / {p['offloaded_blocks']}"
+                out.append(
+                    f"| {NAMES.get(a, a)} | {p['x_name']} {p['x']} | {p['req_s']:.3f} |"
+                    f" {p['out_tok_s']:.1f} | {p['ttft_mean']:.2f} / {p['ttft_p50']:.2f} /"
+                    f" {p['ttft_p99']:.2f} | {p['cached_engine']:.0%} / {p['cached_tier']:.0%} |"
+                    f" {rb} | {p['integrity_failures']} | {ratio:.2f}x |"
+                )  # fmt: skip
+    return out
+
+
+def summary_lines(res: dict[str, Any]) -> list[str]:
+    lines = tables(res)
+    probes = {a: r.get("probe") for a, r in res["arms"].items()}
+    same = len(set(probes.values())) == 1
+    lines.append("")
+    lines.append(f"greedy probe identical across arms: {same}")
+    return lines
+
+
+def plots(res: dict[str, Any], prefix: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(res["arms"])
+    files = []
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for a in arms:
+        pts = _points(res, a, "llmd")
+        ax.plot([p["x"] for p in pts], [p["req_s"] for p in pts], marker="o", label=NAMES.get(a, a))
+    ax.set_xlabel("offered rate, requests/s")
+    ax.set_ylabel("completed requests/s")
+    ax.set_title("llm-d shape: throughput vs rate")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    files.append(f"{prefix}-throughput.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for i, a in enumerate(arms):
+        pts = _points(res, a, "conv")
+        xs = [p["x"] for p in pts]
+        ln = ax.plot(xs, [p["ttft_p50"] for p in pts], marker="o", label=f"{NAMES.get(a, a)} p50")
+        ax.plot(xs, [p["ttft_p99"] for p in pts], marker="x", ls="--", color=ln[0].get_color(),
+                label=f"{NAMES.get(a, a)} p99")  # fmt: skip
+    ax.set_xlabel("inter-turn gap, s (0 = saturated)")
+    ax.set_ylabel("TTFT, s")
+    ax.set_title("conversation replay: TTFT vs gap")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    files.append(f"{prefix}-ttft.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    labels: list[str] = []
+    eng: list[float] = []
+    tier: list[float] = []
+    for a in arms:
+        for p in res["arms"][a]["points"]:
+            labels.append(f"{a}\n{p['workload']} {p['x']:g}")
+            eng.append(p["cached_engine"])
+            tier.append(p["cached_tier"])
+    xs = list(range(len(labels)))
+    ax.bar(xs, eng, label="engine prefix cache")
+    ax.bar(xs, tier, bottom=eng, label="second tier")
+    ax.set_xticks(xs, labels, fontsize=5, rotation=90)
+    ax.set_ylabel("share of prompt tokens")
+    ax.set_title("prompt tokens served from cache, per arm and point")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(f"{prefix}-cached.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results")
+    ap.add_argument("--md", help="a markdown file whose tables section is replaced")
+    ap.add_argument("--png-prefix", help="write the plots as PREFIX-*.png")
+    args = ap.parse_args()
+    res = json.loads(Path(args.results).read_text())
+    lines = summary_lines(res)
+    if args.md:
+        md = Path(args.md)
+        s = md.read_text()
+        i, j = s.index(BEGIN) + len(BEGIN), s.index(END)
+        md.write_text(s[:i] + "\n" + "\n".join(lines) + "\n" + s[j:])
+    else:
+        print("\n".join(lines))
+    if args.png_prefix:
+        for f in plots(res, args.png_prefix):
+            print("wrote", f)
+
+
+if __name__ == "__main__":
+    main()
