@@ -27,7 +27,6 @@ import time
 from typing import Any
 
 import torch
-
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -40,6 +39,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 
 class PlainCopyWorker(OffloadingWorker):
@@ -90,7 +90,9 @@ class PlainCopyWorker(OffloadingWorker):
         )
         return True
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
         assert isinstance(dst_spec, CPULoadStoreSpec)
         return self._copy(job_id, True, [int(b) for b in src_spec.block_ids],
                           [int(b) for b in dst_spec.block_ids])  # fmt: skip
@@ -117,6 +119,9 @@ class PlainCopyWorker(OffloadingWorker):
 class PlainOffloadingSpec(OffloadingSpec):
     """vLLM's CPUOffloadingManager over ``cpu_bytes_to_use`` bytes of plain
     shared memory (``kv_connector_extra_config``), one vLLM block per chunk."""
+
+    # The manager reports vLLM's CPU-offload metrics: declare the same ones.
+    build_metric_definitions = CPUOffloadingSpec.build_metric_definitions
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)

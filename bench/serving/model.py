@@ -5,7 +5,8 @@ that ``vllm serve`` loads.
 Sized so that computing a token's KV costs far more than restoring it: a wide
 MLP (4,096) and 16 query heads but only 2 KV heads (GQA) of dim 64 over 8
 layers (~120 M parameters), so a token's KV is 4 KiB (a 32-token block
-128 KiB) while its prefill is ~120 M multiply-adds. The tokenizer maps the words ``w0`` .. ``w1023`` one to one onto
+128 KiB) while its prefill is ~120 M multiply-adds. The tokenizer maps the
+words ``w3`` .. ``w1023`` one to one onto
 token ids, so a prompt of n words is n tokens and a model's answer, sent back
 as text, tokenizes to the same ids (multi-turn prefixes stay cacheable).
 """

@@ -35,36 +35,82 @@ def tables(res: dict[str, Any]) -> list[str]:
     arms = list(res["arms"])
     out.append("Per-token costs (one request alone, TTFT / 1,024 prompt tokens):")
     out.append("")
-    out.append("| arm | compute (cold prefill), ms/token | restored from the tier, ms/token | tokens restored |")
+    out.append(
+        "| arm | compute (cold prefill), ms/token | restored from the tier, ms/token"
+        " | tokens restored |"
+    )
     out.append("| --- | --- | --- | --- |")
     for a in arms:
         c = res["arms"][a].get("costs", {})
         r = c.get("restore_ms_per_token")
-        out.append(f"| {NAMES.get(a, a)} | {c.get('compute_ms_per_token', 0):.3f} | "
-                   f"{'—' if r is None else f'{r:.3f}'} | {c.get('restored_cached_tokens', '—')} |")  # fmt: skip
+        rs = "—" if r is None else f"{r:.3f}"
+        n = c.get("restored_cached_tokens", "—")
+        out.append(f"| {NAMES.get(a, a)} | {c.get('compute_ms_per_token', 0):.3f} | {rs} | {n} |")
     for wl, title in (("llmd", "llm-d shape (Poisson arrivals)"),
                       ("conv", "conversation replay (gap 0 = saturated)"),
                       ("fits", "fits in the engine cache")):  # fmt: skip
         out += ["", f"**{title}**", ""]
-        out.append("| arm | point | req/s | out tok/s | TTFT mean / p50 / p99 s | cached: engine / tier"
-                   " | restored / offloaded blocks | integrity failures | req/s vs no offload |")  # fmt: skip
+        out.append(
+            "| arm | point | req/s | out tok/s | TTFT mean / p50 / p99 s | cached: engine / tier"
+            " | restored / offloaded blocks | integrity failures | req/s vs no offload |"
+        )
         out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for a in arms:
             for p in _points(res, a, wl):
                 base = _match(res, "none", p)
-                ratio = p["req_s"] / base["req_s"] if base and base["req_s"] else 0.0
-                rb = "—" if p["restored_blocks"] is None else f"{p['restored_blocks']} / {p['offloaded_blocks']}"
+                ratio = f"{p['req_s'] / base['req_s']:.2f}x" if base and base["req_s"] else "—"
+                rb = (
+                    "—"
+                    if p["restored_blocks"] is None
+                    else f"{p['restored_blocks']} / {p['offloaded_blocks']}"
+                )
                 out.append(
                     f"| {NAMES.get(a, a)} | {p['x_name']} {p['x']} | {p['req_s']:.3f} |"
                     f" {p['out_tok_s']:.1f} | {p['ttft_mean']:.2f} / {p['ttft_p50']:.2f} /"
                     f" {p['ttft_p99']:.2f} | {p['cached_engine']:.0%} / {p['cached_tier']:.0%} |"
-                    f" {rb} | {p['integrity_failures']} | {ratio:.2f}x |"
+                    f" {rb} | {p['integrity_failures']} | {ratio} |"
                 )  # fmt: skip
     return out
 
 
+def goals(res: dict[str, Any]) -> list[str]:
+    """The issue's goals, checked point by point against this results file."""
+    out = ["", "**Goals, checked on this run**", ""]
+    out.append("| goal | point | measured | met |")
+    out.append("| --- | --- | --- | --- |")
+
+    def row(goal: str, p: dict[str, Any], measured: str, ok: bool) -> None:
+        out.append(f"| {goal} | {p['workload']} {p['x_name']} {p['x']} | {measured} |"
+                   f" {'yes' if ok else 'no'} |")  # fmt: skip
+
+    for a in ("wt", "wb"):
+        for p in _points(res, a, "llmd"):
+            b, pl = _match(res, "none", p), _match(res, "plain", p)
+            if b and b["req_s"]:
+                r = p["req_s"] / b["req_s"]
+                row(f"{a}: throughput >= 2x no offload", p, f"{r:.2f}x", r >= 2.0)
+                row(f"{a}: TTFT p99 below no offload", p,
+                    f"{p['ttft_p99']:.2f} s vs {b['ttft_p99']:.2f} s",
+                    p["ttft_p99"] < b["ttft_p99"])  # fmt: skip
+            if pl and pl["req_s"]:
+                r = p["req_s"] / pl["req_s"]
+                row(f"{a}: within 10% of the plaintext anchor", p, f"{r:.2f}x", r >= 0.9)
+        for p in _points(res, a, "fits"):
+            b = _match(res, "none", p)
+            if b and b["req_s"]:
+                loss = 1 - p["req_s"] / b["req_s"]
+                row(f"{a}: fits-in-cache loss <= 2%", p, f"{loss:+.1%}", loss <= 0.02)
+    for p in _points(res, "wb", "conv"):
+        q = _match(res, "wt", p)
+        if q is not None:
+            sb = p["cached_engine"] + p["cached_tier"]
+            st = q["cached_engine"] + q["cached_tier"]
+            row("write-back caches more than write-through", p, f"{sb:.0%} vs {st:.0%}", sb > st)
+    return out
+
+
 def summary_lines(res: dict[str, Any]) -> list[str]:
-    lines = tables(res)
+    lines = tables(res) + goals(res)
     probes = {a: r.get("probe") for a, r in res["arms"].items()}
     same = len(set(probes.values())) == 1
     lines.append("")
@@ -95,7 +141,7 @@ def plots(res: dict[str, Any], prefix: str) -> list[str]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for i, a in enumerate(arms):
+    for a in arms:
         pts = _points(res, a, "conv")
         xs = [p["x"] for p in pts]
         ln = ax.plot(xs, [p["ttft_p50"] for p in pts], marker="o", label=f"{NAMES.get(a, a)} p50")

@@ -145,7 +145,9 @@ class Client:
         connector's (external) tier."""
         out: dict[str, float] = {}
         for line in self.get("/metrics").splitlines():
-            m = re.match(r"vllm:((?:external_)?prefix_cache_(?:queries|hits))_total\{.*\} (\S+)", line)
+            m = re.match(
+                r"vllm:((?:external_)?prefix_cache_(?:queries|hits))_total\{.*\} (\S+)", line
+            )
             if m:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
@@ -154,11 +156,16 @@ class Client:
 # ---------------------------------------------------------------- workloads
 
 
-def llmd_requests(seed: int, groups: int, prefix: int, question: int) -> list[str]:
-    """One prompt per request: a random group's shared prefix + a fresh question."""
+def llmd_requests(seed: int, groups: int, per_group: int, prefix: int,
+                  question: int) -> list[str]:  # fmt: skip
+    """``groups`` x ``per_group`` prompts (a group's shared prefix + a fresh
+    question each), shuffled: the order the Poisson arrivals send them in."""
     rng = random.Random(seed)
     prefixes = [words(rng, prefix) for _ in range(groups)]
-    return [text(prefixes[rng.randrange(groups)] + words(rng, question)) for _ in range(4096)]
+    out = [text(prefixes[g] + words(rng, question)) for g in range(groups)
+           for _ in range(per_group)]  # fmt: skip
+    rng.shuffle(out)
+    return out
 
 
 def run_poisson(cl: Client, prompts: list[str], n: int, rate: float, out_tokens: int,
@@ -285,9 +292,9 @@ class Arm:
             args += ["--kv-transfer-config", json.dumps(kt)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING",
                "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-        self.logf = open(self.work / "serve.log", "wb")
-        self.proc = subprocess.Popen(args, stdout=self.logf, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=self.work)  # fmt: skip
+        with open(self.work / "serve.log", "wb") as logf:  # the child keeps its own copy
+            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, cwd=self.work)  # fmt: skip
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -323,7 +330,7 @@ def pct(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
     s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def summarize(results: list[Result], wall: float, m0: dict[str, float], m1: dict[str, float],
@@ -345,7 +352,8 @@ def summarize(results: list[Result], wall: float, m0: dict[str, float], m1: dict
         "cached_engine": eng / prompt if prompt else 0.0,
         "cached_tier": ext / prompt if prompt else 0.0,
         "cached_usage": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
-        "restored_blocks": sd.get("restored_blocks"), "offloaded_blocks": sd.get("offloaded_blocks"),
+        "restored_blocks": sd.get("restored_blocks"),
+        "offloaded_blocks": sd.get("offloaded_blocks"),
         "integrity_failures": sd.get("integrity_failures", 0),
         "evicted_blocks": sd.get("evicted_blocks"),
     }  # fmt: skip
@@ -355,16 +363,17 @@ def plan(quick: bool) -> dict[str, Any]:
     """Workload shapes (tokens), scaled to this machine keeping the seed's ratios:
     llm-d working set (groups x prefix) 2.25x the engine KV, fits 0.4x."""
     p: dict[str, Any] = {
-        "llmd": {"groups": 12, "prefix": 384, "question": 32, "out": 8,
-                 "rates": [1.0, 2.0, 4.0], "n": 24},
+        "llmd": {"groups": 12, "per_group": 4, "prefix": 384, "question": 32, "out": 8,
+                 "rates": [1.0, 2.0, 4.0, 8.0]},
         "conv": {"convs": 12, "turns": 4, "sys": 160, "user": 48, "out": 16,
                  "gaps": [0.0, 1.0, 4.0], "concurrency": 4},
-        "fits": {"groups": 2, "prefix": 384, "question": 32, "out": 8, "rate": 2.0, "n": 20},
+        "fits": {"groups": 2, "per_group": 10, "prefix": 384, "question": 32, "out": 8,
+                 "rate": 2.0},
     }  # fmt: skip
     if quick:
-        p["llmd"].update(rates=[2.0], n=12)
+        p["llmd"].update(rates=[4.0], groups=6, per_group=2)
         p["conv"].update(convs=4, turns=3, gaps=[1.0], concurrency=2)
-        p["fits"].update(n=6)
+        p["fits"].update(per_group=3)
     return p
 
 
@@ -401,7 +410,8 @@ def run_arm(name: str, model: Path, work: Path, pl: dict[str, Any]) -> dict[str,
         arm.client.complete(text(PROBE[:40]), 4)  # warm-up
         res["probe"] = arm.client.complete(text(PROBE), 16, stream=False).text
         res["costs"] = per_token_costs(arm, 99)
-        log(f"[{name}] per-token costs {json.dumps({k: round(v, 3) for k, v in res['costs'].items()})}")
+        costs = {k: round(v, 3) for k, v in res["costs"].items()}
+        log(f"[{name}] per-token costs {json.dumps(costs)}")
 
         def point(wl: str, key: str, val: float, fn: Any) -> None:
             m0, s0 = arm.client.metrics(), arm.stats()
@@ -418,18 +428,20 @@ def run_arm(name: str, model: Path, work: Path, pl: dict[str, Any]) -> dict[str,
 
         L = pl["llmd"]
         for i, rate in enumerate(L["rates"]):
-            prompts = llmd_requests(1000 + i, L["groups"], L["prefix"], L["question"])
-            point("llmd", "rate", rate,
-                  lambda p=prompts, r=rate, i=i: run_poisson(arm.client, p, L["n"], r, L["out"], i))  # fmt: skip
+            prompts = llmd_requests(1000 + i, L["groups"], L["per_group"], L["prefix"],
+                                    L["question"])  # fmt: skip
+            point("llmd", "rate", rate, lambda p=prompts, r=rate, i=i:
+                  run_poisson(arm.client, p, len(p), r, L["out"], i))  # fmt: skip
         C = pl["conv"]
         for i, gap in enumerate(C["gaps"]):
             point("conv", "gap", gap, lambda g=gap, i=i: run_conversations(
                 arm.client, 2000 + i, C["convs"], C["turns"], C["sys"], C["user"], C["out"], g,
                 C["concurrency"]))  # fmt: skip
         F = pl["fits"]
-        prompts = llmd_requests(3000, F["groups"], F["prefix"], F["question"])
-        point("fits", "rate", F["rate"],
-              lambda: run_poisson(arm.client, prompts, F["n"], F["rate"], F["out"], 7))  # fmt: skip
+        prompts = llmd_requests(3000, F["groups"], F["per_group"], F["prefix"],
+                                F["question"])  # fmt: skip
+        point("fits", "rate", F["rate"], lambda: run_poisson(
+            arm.client, prompts, len(prompts), F["rate"], F["out"], 7))  # fmt: skip
         res["probe_after"] = arm.client.complete(text(PROBE), 16, stream=False).text
         res["stats_total"] = arm.stats()
     finally:
