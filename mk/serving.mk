@@ -5,13 +5,13 @@
 # plain shared-memory copy worker; benchmark only), kvseal write-through and
 # kvseal write-back, each kvseal arm with a real daemon.
 #
-#   make bench-serving ARGS=--quick   one short point per workload (about 6 minutes on 2 cores)
-#   make bench-serving                the sweep of docs/serving.md (about 25 minutes)
+#   make bench-serving ARGS=--quick   one short point per workload (about 5 minutes on 2 cores)
+#   make bench-serving                the sweep of docs/serving.md (about 15 minutes)
 #   make serving-report               docs/serving.md tables and docs/serving-*.png from
-#                                     the results JSON (RESULTS=..., default the last run)
+#                                     docs/serving-results.json (SERVING_RESULTS=... for another)
 
 SERVING_WORK    ?= build/bench-serving
-SERVING_RESULTS ?= $(SERVING_WORK)/results.json
+SERVING_RESULTS ?= docs/serving-results.json
 
 .PHONY: bench-serving serving-report
 

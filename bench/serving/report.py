@@ -20,7 +20,8 @@ BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 
 
 def _points(res: dict[str, Any], arm: str, wl: str) -> list[dict[str, Any]]:
-    return [p for p in res["arms"].get(arm, {}).get("points", []) if p["workload"] == wl]
+    pts = [p for p in res["arms"].get(arm, {}).get("points", []) if p["workload"] == wl]
+    return sorted(pts, key=lambda p: float(p["x"]))
 
 
 def _match(res: dict[str, Any], arm: str, p: dict[str, Any]) -> dict[str, Any] | None:
@@ -182,11 +183,22 @@ def plots(res: dict[str, Any], prefix: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("results")
+    ap.add_argument("results", nargs="+", help="results JSONs; later files add points")
     ap.add_argument("--md", help="a markdown file whose tables section is replaced")
     ap.add_argument("--png-prefix", help="write the plots as PREFIX-*.png")
+    ap.add_argument("--merged", help="also write the merged results JSON here")
     args = ap.parse_args()
-    res = json.loads(Path(args.results).read_text())
+    res = json.loads(Path(args.results[0]).read_text())
+    for extra in args.results[1:]:  # e.g. a separate run of more llm-d rates
+        more = json.loads(Path(extra).read_text())
+        for a, r in more["arms"].items():
+            arm = res["arms"].setdefault(a, {"points": []})
+            # A later file's points replace the earlier ones of the same workload and x.
+            new = {(p["workload"], p["x"]) for p in r["points"]}
+            arm["points"] = [p for p in arm["points"] if (p["workload"], p["x"]) not in new]
+            arm["points"] += r["points"]
+    if args.merged:
+        Path(args.merged).write_text(json.dumps(res, indent=1))
     lines = summary_lines(res)
     if args.md:
         md = Path(args.md)

@@ -198,32 +198,52 @@ def run_poisson(cl: Client, prompts: list[str], n: int, rate: float, out_tokens:
 def run_conversations(cl: Client, seed: int, convs: int, turns: int, sys_tokens: int,
                       user_tokens: int, out_tokens: int, gap: float,
                       concurrency: int) -> tuple[list[Result], float]:  # fmt: skip
-    """Each worker takes whole conversations: turn after turn, the whole history
-    (its own answers included, as text) resent, ``gap`` seconds between turns."""
+    """All ``convs`` conversations are open at once; ``concurrency`` workers
+    each take the conversation whose next turn is due first (a turn is due
+    ``gap`` seconds after the previous answer), send its whole history (its
+    own answers included, as text) and put it back. With gap 0 the workers
+    cycle through every conversation: the saturated point."""
     rng = random.Random(seed)
-    todo = [(words(rng, sys_tokens), [words(rng, user_tokens) for _ in range(turns)])
-            for _ in range(convs)]  # fmt: skip
+    state = [[text(words(rng, sys_tokens)), [words(rng, user_tokens) for _ in range(turns)], 0.0]
+             for _ in range(convs)]  # fmt: skip
+    ready: list[tuple[float, int]] = [(0.0, i) for i in range(convs)]
     results: list[Result] = []
-    lock = threading.Lock()
+    cv = threading.Condition()
+    t0 = time.monotonic()
+    busy = [0]
 
     def worker() -> None:
         while True:
-            with lock:
-                if not todo:
-                    return
-                system, users = todo.pop(0)
-            hist = text(system)
-            for t, u in enumerate(users):
-                if t and gap:
-                    time.sleep(gap)
-                hist = hist + " " + text(u)
-                r = cl.complete(hist, out_tokens)
-                with lock:
-                    results.append(r)
-                if r.ok:
-                    hist = hist + " " + r.text.strip()
+            with cv:
+                while True:
+                    if not ready and not busy[0]:
+                        cv.notify_all()
+                        return
+                    if ready:
+                        ready.sort()
+                        due, i = ready[0]
+                        wait = t0 + due - time.monotonic()
+                        if wait <= 0:
+                            ready.pop(0)
+                            busy[0] += 1
+                            break
+                        cv.wait(min(wait, 0.5))
+                    else:
+                        cv.wait(0.5)
+            hist, users, _ = state[i]
+            turn = users.pop(0)
+            hist = hist + " " + text(turn)
+            r = cl.complete(hist, out_tokens)
+            if r.ok:
+                hist = hist + " " + r.text.strip()
+            with cv:
+                results.append(r)
+                state[i][0] = hist
+                busy[0] -= 1
+                if users:
+                    ready.append((time.monotonic() - t0 + gap, i))
+                cv.notify_all()
 
-    t0 = time.monotonic()
     ths = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for th in ths:
         th.start()
@@ -426,22 +446,26 @@ def run_arm(name: str, model: Path, work: Path, pl: dict[str, Any]) -> dict[str,
                 f" {pt['restored_blocks']} offloaded {pt['offloaded_blocks']}, integrity"
                 f" failures {pt['integrity_failures']}, failed {pt['failed']}")  # fmt: skip
 
+        wls = pl.get("workloads", ["llmd", "conv", "fits"])
         L = pl["llmd"]
-        for i, rate in enumerate(L["rates"]):
+        for i, rate in enumerate(L["rates"] if "llmd" in wls else []):
             prompts = llmd_requests(1000 + i, L["groups"], L["per_group"], L["prefix"],
                                     L["question"])  # fmt: skip
             point("llmd", "rate", rate, lambda p=prompts, r=rate, i=i:
                   run_poisson(arm.client, p, len(p), r, L["out"], i))  # fmt: skip
         C = pl["conv"]
-        for i, gap in enumerate(C["gaps"]):
+        for i, gap in enumerate(C["gaps"] if "conv" in wls else []):
             point("conv", "gap", gap, lambda g=gap, i=i: run_conversations(
                 arm.client, 2000 + i, C["convs"], C["turns"], C["sys"], C["user"], C["out"], g,
                 C["concurrency"]))  # fmt: skip
         F = pl["fits"]
+        if "fits" not in wls:
+            F = {**F, "per_group": 0}
         prompts = llmd_requests(3000, F["groups"], F["per_group"], F["prefix"],
                                 F["question"])  # fmt: skip
-        point("fits", "rate", F["rate"], lambda: run_poisson(
-            arm.client, prompts, len(prompts), F["rate"], F["out"], 7))  # fmt: skip
+        if prompts:
+            point("fits", "rate", F["rate"], lambda: run_poisson(
+                arm.client, prompts, len(prompts), F["rate"], F["out"], 7))  # fmt: skip
         res["probe_after"] = arm.client.complete(text(PROBE), 16, stream=False).text
         res["stats_total"] = arm.stats()
     finally:
@@ -453,6 +477,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one short point per workload")
     ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--workloads", default="llmd,conv,fits", help="a subset of llmd,conv,fits")
+    ap.add_argument("--rates", default=None, help="llm-d request rates, e.g. 16,32")
     ap.add_argument("--work", default=str(ROOT / "build" / "bench-serving"))
     ap.add_argument("--out", default=None, help="results JSON (default: WORK/results.json)")
     args = ap.parse_args()
@@ -461,6 +487,9 @@ def main() -> None:
     out = Path(args.out) if args.out else work / "results.json"
     model = make_model(work / "model")
     pl = plan(args.quick)
+    if args.rates:
+        pl["llmd"]["rates"] = [float(r) for r in args.rates.split(",")]
+    pl["workloads"] = args.workloads.split(",")
     res: dict[str, Any] = {
         "quick": args.quick, "plan": pl, "cpus": os.cpu_count(),
         "engine_blocks": ENGINE_BLOCKS, "host_blocks": HOST_BLOCKS, "block_tokens": BLOCK,
