@@ -187,6 +187,8 @@ class KVSealOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------ vLLM API
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        # _tenant_of also names the tenant on every mirror's pool: the daemon
+        # scopes their event streams to tenants named there.
         self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
         return RequestOffloadingContext()
 
@@ -313,6 +315,9 @@ class KVSealOffloadingWorker(OffloadingWorker):
         self._pending: set[int] = set()
         self._cv = threading.Condition()
         self.stats = {"stores": 0, "loads": 0, "failed_loads": 0, "dropped_stores": 0}
+        # Write-back: a restored block's host copy is released (the engine holds
+        # it again; the daemon frees its slot). Default write-through: it stays.
+        self.write_back = bool(spec.extra_config.get("kvseal_write_back", False))
         # A stalled daemon delays only this rank's transfer thread (and the
         # requests waiting for a load), never the engine: bounded by this.
         timeout = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0))
@@ -461,7 +466,9 @@ class KVSealOffloadingWorker(OffloadingWorker):
                 job.spec.parent_hash or None,
                 event=job.event,
             )
-        return self.kv.restore(job.spec.tenant, job.spec.hashes, job.pages, event=job.event)
+        return self.kv.restore(
+            job.spec.tenant, job.spec.hashes, job.pages, release=self.write_back, event=job.event
+        )
 
 
 class KVSealOffloadingSpec(OffloadingSpec):
@@ -470,7 +477,9 @@ class KVSealOffloadingSpec(OffloadingSpec):
     ``kv_connector_extra_config`` keys: ``kvseal_socket`` (the daemon's socket;
     ``{rank}`` is replaced by the worker's rank: one daemon per GPU) or
     ``kvseal_sockets`` (a list, one per rank); ``kvseal_transfer_timeout_s``
-    (default 10: the deadline of one Offload/Restore); ``kvseal_lookup_discovery``
+    (default 10: the deadline of one Offload/Restore); ``kvseal_write_back``
+    (default false: write-through, a restored block stays in the tier; true: its
+    host copy is released once restored); ``kvseal_lookup_discovery``
     (default false: also find blocks the daemon held before this engine
     subscribed, at the price of deferring a request with unknown blocks by a
     scheduler step while one batched Lookup runs in the background). Supported: one offloaded

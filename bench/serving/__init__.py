@@ -1,0 +1,1 @@
+"""make bench-serving: kvseal behind a real `vllm serve` (benchmark only)."""

@@ -1,0 +1,67 @@
+"""The serving benchmark's model: a random-weight Llama and a word-level
+tokenizer, both generated locally (no hub download), saved as one HF folder
+that ``vllm serve`` loads.
+
+Sized so that computing a token's KV costs far more than restoring it: a wide
+MLP (4,096) and 16 query heads but only 2 KV heads (GQA) of dim 64 over 8
+layers (~120 M parameters), so a token's KV is 4 KiB (a 32-token block
+128 KiB) while its prefill is ~120 M multiply-adds. The tokenizer maps the
+words ``w3`` .. ``w1023`` one to one onto
+token ids, so a prompt of n words is n tokens and a model's answer, sent back
+as text, tokenizes to the same ids (multi-turn prefixes stay cacheable).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB = 1024
+LAYERS, KV_HEADS, HEAD_DIM = 8, 2, 64
+KV_BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+
+
+def word(i: int) -> str:
+    return f"w{i}"
+
+
+def make_model(path: Path, seed: int = 4321) -> Path:
+    """Write model and tokenizer to ``path`` (idempotent) and return it."""
+    if (path / "tokenizer.json").exists():
+        return path
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=16,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, VOCAB):
+        vocab[word(i)] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(path)
+    # No BOS added: a prompt's token ids are exactly its words.
+    tc = json.loads((path / "tokenizer_config.json").read_text())
+    tc["add_bos_token"] = False
+    (path / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
+    return path

@@ -1,0 +1,216 @@
+"""Tables and plots of docs/serving.md from a results JSON of bench.serving.run.
+
+    python -m bench.serving.report RESULTS.json [--md OUT.md] [--png-prefix docs/serving]
+
+writes the markdown tables (to stdout, or between the ``<!-- tables -->``
+markers of ``--md``) and the PNG plots (throughput vs rate, TTFT p50/p99 vs
+gap, cached share per arm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+NAMES = {"none": "no offload", "plain": "plaintext anchor", "wt": "kvseal write-through",
+         "wb": "kvseal write-back"}  # fmt: skip
+BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+
+
+def _points(res: dict[str, Any], arm: str, wl: str) -> list[dict[str, Any]]:
+    pts = [p for p in res["arms"].get(arm, {}).get("points", []) if p["workload"] == wl]
+    return sorted(pts, key=lambda p: float(p["x"]))
+
+
+def _match(res: dict[str, Any], arm: str, p: dict[str, Any]) -> dict[str, Any] | None:
+    for q in _points(res, arm, p["workload"]):
+        if q["x"] == p["x"]:
+            return q
+    return None
+
+
+def tables(res: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    arms = list(res["arms"])
+    out.append("Per-token costs (one request alone, TTFT / 1,024 prompt tokens):")
+    out.append("")
+    out.append(
+        "| arm | compute (cold prefill), ms/token | restored from the tier, ms/token"
+        " | tokens restored |"
+    )
+    out.append("| --- | --- | --- | --- |")
+    for a in arms:
+        c = res["arms"][a].get("costs", {})
+        r = c.get("restore_ms_per_token")
+        rs = "—" if r is None else f"{r:.3f}"
+        n = c.get("restored_cached_tokens", "—")
+        out.append(f"| {NAMES.get(a, a)} | {c.get('compute_ms_per_token', 0):.3f} | {rs} | {n} |")
+    for wl, title in (("llmd", "llm-d shape (Poisson arrivals)"),
+                      ("conv", "conversation replay (gap 0 = saturated)"),
+                      ("fits", "fits in the engine cache")):  # fmt: skip
+        out += ["", f"**{title}**", ""]
+        out.append(
+            "| arm | point | req/s | out tok/s | TTFT mean / p50 / p99 s | cached: engine / tier"
+            " | restored / offloaded blocks | integrity failures | req/s vs no offload |"
+        )
+        out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for a in arms:
+            for p in _points(res, a, wl):
+                base = _match(res, "none", p)
+                ratio = f"{p['req_s'] / base['req_s']:.2f}x" if base and base["req_s"] else "—"
+                rb = (
+                    "—"
+                    if p["restored_blocks"] is None
+                    else f"{p['restored_blocks']} / {p['offloaded_blocks']}"
+                )
+                out.append(
+                    f"| {NAMES.get(a, a)} | {p['x_name']} {p['x']} | {p['req_s']:.3f} |"
+                    f" {p['out_tok_s']:.1f} | {p['ttft_mean']:.2f} / {p['ttft_p50']:.2f} /"
+                    f" {p['ttft_p99']:.2f} | {p['cached_engine']:.0%} / {p['cached_tier']:.0%} |"
+                    f" {rb} | {p['integrity_failures']} | {ratio} |"
+                )  # fmt: skip
+    return out
+
+
+def goals(res: dict[str, Any]) -> list[str]:
+    """The issue's goals, checked point by point against this results file."""
+    out = ["", "**Goals, checked on this run**", ""]
+    out.append("| goal | point | measured | met |")
+    out.append("| --- | --- | --- | --- |")
+
+    def row(goal: str, p: dict[str, Any], measured: str, ok: bool) -> None:
+        out.append(f"| {goal} | {p['workload']} {p['x_name']} {p['x']} | {measured} |"
+                   f" {'yes' if ok else 'no'} |")  # fmt: skip
+
+    for a in ("wt", "wb"):
+        for p in _points(res, a, "llmd"):
+            b, pl = _match(res, "none", p), _match(res, "plain", p)
+            if b and b["req_s"]:
+                r = p["req_s"] / b["req_s"]
+                row(f"{a}: throughput >= 2x no offload", p, f"{r:.2f}x", r >= 2.0)
+                row(f"{a}: TTFT p99 below no offload", p,
+                    f"{p['ttft_p99']:.2f} s vs {b['ttft_p99']:.2f} s",
+                    p["ttft_p99"] < b["ttft_p99"])  # fmt: skip
+            if pl and pl["req_s"]:
+                r = p["req_s"] / pl["req_s"]
+                row(f"{a}: within 10% of the plaintext anchor", p, f"{r:.2f}x", r >= 0.9)
+        for p in _points(res, a, "fits"):
+            b = _match(res, "none", p)
+            if b and b["req_s"]:
+                loss = 1 - p["req_s"] / b["req_s"]
+                row(f"{a}: fits-in-cache loss <= 2%", p, f"{loss:+.1%}", loss <= 0.02)
+    for p in _points(res, "wb", "conv"):
+        q = _match(res, "wt", p)
+        if q is not None:
+            sb = p["cached_engine"] + p["cached_tier"]
+            st = q["cached_engine"] + q["cached_tier"]
+            row("write-back caches more than write-through", p, f"{sb:.0%} vs {st:.0%}", sb > st)
+    return out
+
+
+def summary_lines(res: dict[str, Any]) -> list[str]:
+    lines = tables(res) + goals(res)
+    probes = {a: r.get("probe") for a, r in res["arms"].items()}
+    same = len(set(probes.values())) == 1
+    lines.append("")
+    lines.append(f"greedy probe identical across arms: {same}")
+    return lines
+
+
+def plots(res: dict[str, Any], prefix: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(res["arms"])
+    files = []
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for a in arms:
+        pts = _points(res, a, "llmd")
+        ax.plot([p["x"] for p in pts], [p["req_s"] for p in pts], marker="o", label=NAMES.get(a, a))
+    ax.set_xlabel("offered rate, requests/s")
+    ax.set_ylabel("completed requests/s")
+    ax.set_title("llm-d shape: throughput vs rate")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    files.append(f"{prefix}-throughput.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for a in arms:
+        pts = _points(res, a, "conv")
+        xs = [p["x"] for p in pts]
+        ln = ax.plot(xs, [p["ttft_p50"] for p in pts], marker="o", label=f"{NAMES.get(a, a)} p50")
+        ax.plot(xs, [p["ttft_p99"] for p in pts], marker="x", ls="--", color=ln[0].get_color(),
+                label=f"{NAMES.get(a, a)} p99")  # fmt: skip
+    ax.set_xlabel("inter-turn gap, s (0 = saturated)")
+    ax.set_ylabel("TTFT, s")
+    ax.set_title("conversation replay: TTFT vs gap")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    files.append(f"{prefix}-ttft.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    labels: list[str] = []
+    eng: list[float] = []
+    tier: list[float] = []
+    for a in arms:
+        for p in res["arms"][a]["points"]:
+            labels.append(f"{a}\n{p['workload']} {p['x']:g}")
+            eng.append(p["cached_engine"])
+            tier.append(p["cached_tier"])
+    xs = list(range(len(labels)))
+    ax.bar(xs, eng, label="engine prefix cache")
+    ax.bar(xs, tier, bottom=eng, label="second tier")
+    ax.set_xticks(xs, labels, fontsize=5, rotation=90)
+    ax.set_ylabel("share of prompt tokens")
+    ax.set_title("prompt tokens served from cache, per arm and point")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(f"{prefix}-cached.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results", nargs="+", help="results JSONs; later files add points")
+    ap.add_argument("--md", help="a markdown file whose tables section is replaced")
+    ap.add_argument("--png-prefix", help="write the plots as PREFIX-*.png")
+    ap.add_argument("--merged", help="also write the merged results JSON here")
+    args = ap.parse_args()
+    res = json.loads(Path(args.results[0]).read_text())
+    for extra in args.results[1:]:  # e.g. a separate run of more llm-d rates
+        more = json.loads(Path(extra).read_text())
+        for a, r in more["arms"].items():
+            arm = res["arms"].setdefault(a, {"points": []})
+            # A later file's points replace the earlier ones of the same workload and x.
+            new = {(p["workload"], p["x"]) for p in r["points"]}
+            arm["points"] = [p for p in arm["points"] if (p["workload"], p["x"]) not in new]
+            arm["points"] += r["points"]
+    if args.merged:
+        Path(args.merged).write_text(json.dumps(res, indent=1))
+    lines = summary_lines(res)
+    if args.md:
+        md = Path(args.md)
+        s = md.read_text()
+        i, j = s.index(BEGIN) + len(BEGIN), s.index(END)
+        md.write_text(s[:i] + "\n" + "\n".join(lines) + "\n" + s[j:])
+    else:
+        print("\n".join(lines))
+    if args.png_prefix:
+        for f in plots(res, args.png_prefix):
+            print("wrote", f)
+
+
+if __name__ == "__main__":
+    main()

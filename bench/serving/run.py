@@ -1,0 +1,514 @@
+"""``make bench-serving``: a real ``vllm serve`` (CPU platform, the local model
+of model.py) with four second-tier arms, driven over HTTP by this module's
+own clients (stdlib ``http.client`` in threads, streamed completions for TTFT).
+
+Arms (one server each, in this order, same prompts): ``none`` (prefix caching
+only), ``plain`` (the plaintext anchor, bench/serving/anchor.py), ``wt``
+(kvseal write-through) and ``wb`` (kvseal write-back), each kvseal arm with a
+real daemon of its own. Workloads: ``llmd`` (prefix groups x prompts, long
+shared prefix, short question and answer, Poisson arrivals, rate sweep),
+``conv`` (multi-turn conversations replayed with bounded concurrency, whole
+history resent each turn, inter-turn gap sweep plus a saturated point) and
+``fits`` (working set well inside the engine's KV cache). Every point uses
+prompts of its own (seeded), so no point reuses another's blocks.
+
+Writes a results JSON (``--out``); ``python -m bench.serving.report`` turns it
+into the tables and plots of docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.serving.model import KV_BYTES_PER_TOKEN, VOCAB, make_model, word  # noqa: E402
+from tests_vllm.daemon import Daemon  # noqa: E402
+
+BLOCK = 32
+ENGINE_BLOCKS = 64  # engine KV cache: 2,048 tokens
+HOST_FACTOR = 2.4  # host tier / engine KV (the seed's ratio)
+BLOCK_BYTES = BLOCK * KV_BYTES_PER_TOKEN
+HOST_BLOCKS = int(ENGINE_BLOCKS * HOST_FACTOR)
+MAX_LEN = 1536
+ARMS = ("none", "plain", "wt", "wb")
+PROBE = [3 + (i * 37) % (VOCAB - 3) for i in range(200)]  # the fixed greedy probe
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+
+def words(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def text(ids: list[int]) -> str:
+    return " ".join(word(i) for i in ids)
+
+
+# ---------------------------------------------------------------- HTTP client
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float
+    latency: float
+    prompt_tokens: int
+    cached_tokens: int
+    out_tokens: int
+    text: str
+    start: float
+
+
+class Client:
+    def __init__(self, port: int, model: str) -> None:
+        self.port, self.model = port, model
+
+    def complete(self, prompt: str, max_tokens: int, stream: bool = True) -> Result:
+        body = json.dumps({
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None,
+        })  # fmt: skip
+        t0 = time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        ttft = -1.0
+        out: list[str] = []
+        usage: dict[str, Any] = {}
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                resp.read()
+                return Result(False, 0, 0, 0, 0, 0, "", t0)
+            if not stream:
+                d = json.loads(resp.read())
+                usage = d.get("usage") or {}
+                out.append(d["choices"][0]["text"])
+                ttft = time.monotonic() - t0
+            else:
+                for raw in resp:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    d = json.loads(data)
+                    if d.get("usage"):
+                        usage = d["usage"]
+                    for ch in d.get("choices") or []:
+                        if ch.get("text"):
+                            if ttft < 0:
+                                ttft = time.monotonic() - t0
+                            out.append(ch["text"])
+        except (OSError, http.client.HTTPException, ValueError):
+            return Result(False, 0, 0, 0, 0, 0, "", t0)
+        finally:
+            conn.close()
+        lat = time.monotonic() - t0
+        details = usage.get("prompt_tokens_details") or {}
+        return Result(
+            True, ttft if ttft >= 0 else lat, lat, int(usage.get("prompt_tokens", 0)),
+            int(details.get("cached_tokens") or 0), int(usage.get("completion_tokens", 0)),
+            "".join(out), t0,
+        )  # fmt: skip
+
+    def get(self, path: str) -> str:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("GET", path)
+            return conn.getresponse().read().decode()
+        finally:
+            conn.close()
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's prefix-cache counters (tokens): the engine's own cache and the
+        connector's (external) tier."""
+        out: dict[str, float] = {}
+        for line in self.get("/metrics").splitlines():
+            m = re.match(
+                r"vllm:((?:external_)?prefix_cache_(?:queries|hits))_total\{.*\} (\S+)", line
+            )
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        return out
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def llmd_requests(seed: int, groups: int, per_group: int, prefix: int,
+                  question: int) -> list[str]:  # fmt: skip
+    """``groups`` x ``per_group`` prompts (a group's shared prefix + a fresh
+    question each), shuffled: the order the Poisson arrivals send them in."""
+    rng = random.Random(seed)
+    prefixes = [words(rng, prefix) for _ in range(groups)]
+    out = [text(prefixes[g] + words(rng, question)) for g in range(groups)
+           for _ in range(per_group)]  # fmt: skip
+    rng.shuffle(out)
+    return out
+
+
+def run_poisson(cl: Client, prompts: list[str], n: int, rate: float, out_tokens: int,
+                seed: int) -> tuple[list[Result], float]:  # fmt: skip
+    rng = random.Random(seed)
+    results: list[Result] = []
+    lock = threading.Lock()
+    threads = []
+    t0 = time.monotonic()
+    at = 0.0
+    for i in range(n):
+        at += rng.expovariate(rate)
+        delay = t0 + at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+        def one(p: str = prompts[i]) -> None:
+            r = cl.complete(p, out_tokens)
+            with lock:
+                results.append(r)
+
+        th = threading.Thread(target=one, daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    return results, time.monotonic() - t0
+
+
+def run_conversations(cl: Client, seed: int, convs: int, turns: int, sys_tokens: int,
+                      user_tokens: int, out_tokens: int, gap: float,
+                      concurrency: int) -> tuple[list[Result], float]:  # fmt: skip
+    """All ``convs`` conversations are open at once; ``concurrency`` workers
+    each take the conversation whose next turn is due first (a turn is due
+    ``gap`` seconds after the previous answer), send its whole history (its
+    own answers included, as text) and put it back. With gap 0 the workers
+    cycle through every conversation: the saturated point."""
+    rng = random.Random(seed)
+    state = [[text(words(rng, sys_tokens)), [words(rng, user_tokens) for _ in range(turns)], 0.0]
+             for _ in range(convs)]  # fmt: skip
+    ready: list[tuple[float, int]] = [(0.0, i) for i in range(convs)]
+    results: list[Result] = []
+    cv = threading.Condition()
+    t0 = time.monotonic()
+    busy = [0]
+
+    def worker() -> None:
+        while True:
+            with cv:
+                while True:
+                    if not ready and not busy[0]:
+                        cv.notify_all()
+                        return
+                    if ready:
+                        ready.sort()
+                        due, i = ready[0]
+                        wait = t0 + due - time.monotonic()
+                        if wait <= 0:
+                            ready.pop(0)
+                            busy[0] += 1
+                            break
+                        cv.wait(min(wait, 0.5))
+                    else:
+                        cv.wait(0.5)
+            hist, users, _ = state[i]
+            turn = users.pop(0)
+            hist = hist + " " + text(turn)
+            r = cl.complete(hist, out_tokens)
+            if r.ok:
+                hist = hist + " " + r.text.strip()
+            with cv:
+                results.append(r)
+                state[i][0] = hist
+                busy[0] -= 1
+                if users:
+                    ready.append((time.monotonic() - t0 + gap, i))
+                cv.notify_all()
+
+    ths = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    return results, time.monotonic() - t0
+
+
+# ---------------------------------------------------------------- arms
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Arm:
+    def __init__(self, name: str, model: Path, work: Path) -> None:
+        self.name, self.model, self.work = name, model, work / name
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.daemon: Daemon | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = free_port()
+        self.client = Client(self.port, str(model))
+
+    def kv_transfer(self) -> dict[str, Any] | None:
+        if self.name == "none":
+            return None
+        if self.name == "plain":
+            return {
+                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "PlainOffloadingSpec",
+                    "spec_module_path": "bench.serving.anchor",
+                    "cpu_bytes_to_use": HOST_BLOCKS * BLOCK_BYTES,
+                },
+            }  # fmt: skip
+        assert self.daemon is not None
+        return {
+            "kv_connector": "KVSealOffloadingConnector",
+            "kv_connector_module_path": "kvseal.vllm.connector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "kvseal_socket": self.daemon.socket, "kvseal_write_back": self.name == "wb",
+            },
+        }  # fmt: skip
+
+    def start(self) -> float:
+        t0 = time.monotonic()
+        if self.name in ("wt", "wb"):
+            # Host region sized to HOST_BLOCKS sealed blocks (ciphertext + tag).
+            self.daemon = Daemon(
+                self.work / "daemon", host_bytes=str(HOST_BLOCKS * (BLOCK_BYTES + 64))
+            ).start()
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+            "--block-size", str(BLOCK), "--enable-prefix-caching", "--enforce-eager",
+            "--max-model-len", str(MAX_LEN), "--max-num-seqs", "8", "--seed", "0",
+            "--kv-cache-memory-bytes", str(ENGINE_BLOCKS * BLOCK_BYTES),
+            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        kt = self.kv_transfer()
+        if kt is not None:
+            args += ["--kv-transfer-config", json.dumps(kt)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING",
+               "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+        with open(self.work / "serve.log", "wb") as logf:  # the child keeps its own copy
+            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, cwd=self.work)  # fmt: skip
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: vllm serve exited: {self.tail()}")
+            try:
+                self.client.get("/health")
+                return time.monotonic() - t0
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"{self.name}: vllm serve not up: {self.tail()}")
+
+    def tail(self) -> str:
+        return (self.work / "serve.log").read_text(errors="replace")[-4000:]
+
+    def stats(self) -> dict[str, int]:
+        if self.daemon is None:
+            return {}
+        return self.daemon.stats()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.daemon is not None:
+            self.daemon.stop()
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def summarize(results: list[Result], wall: float, m0: dict[str, float], m1: dict[str, float],
+              s0: dict[str, int], s1: dict[str, int]) -> dict[str, Any]:  # fmt: skip
+    ok = [r for r in results if r.ok]
+    tt = [r.ttft for r in ok]
+    d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
+    prompt = sum(r.prompt_tokens for r in ok)
+    eng = d.get("prefix_cache_hits", 0.0)
+    ext = d.get("external_prefix_cache_hits", 0.0)
+    sd = {k: s1.get(k, 0) - s0.get(k, 0) for k in s1}
+    return {
+        "requests": len(results), "failed": len(results) - len(ok), "wall_s": round(wall, 2),
+        "req_s": len(ok) / wall if wall else 0.0,
+        "out_tok_s": sum(r.out_tokens for r in ok) / wall if wall else 0.0,
+        "ttft_mean": statistics.fmean(tt) if tt else 0.0,
+        "ttft_p50": pct(tt, 0.5), "ttft_p99": pct(tt, 0.99),
+        "prompt_tokens": prompt,
+        "cached_engine": eng / prompt if prompt else 0.0,
+        "cached_tier": ext / prompt if prompt else 0.0,
+        "cached_usage": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "restored_blocks": sd.get("restored_blocks"),
+        "offloaded_blocks": sd.get("offloaded_blocks"),
+        "integrity_failures": sd.get("integrity_failures", 0),
+        "evicted_blocks": sd.get("evicted_blocks"),
+    }  # fmt: skip
+
+
+def plan(quick: bool) -> dict[str, Any]:
+    """Workload shapes (tokens), scaled to this machine keeping the seed's ratios:
+    llm-d working set (groups x prefix) 2.25x the engine KV, fits 0.4x."""
+    p: dict[str, Any] = {
+        "llmd": {"groups": 12, "per_group": 4, "prefix": 384, "question": 32, "out": 8,
+                 "rates": [1.0, 2.0, 4.0, 8.0]},
+        "conv": {"convs": 12, "turns": 4, "sys": 160, "user": 48, "out": 16,
+                 "gaps": [0.0, 1.0, 4.0], "concurrency": 4},
+        "fits": {"groups": 2, "per_group": 10, "prefix": 384, "question": 32, "out": 8,
+                 "rate": 2.0},
+    }  # fmt: skip
+    if quick:
+        p["llmd"].update(rates=[4.0], groups=6, per_group=2)
+        p["conv"].update(convs=4, turns=3, gaps=[1.0], concurrency=2)
+        p["fits"].update(per_group=3)
+    return p
+
+
+def per_token_costs(arm: Arm, seed: int) -> dict[str, float]:
+    """Prefill cost per token (a cold prompt, alone) and, for an offload arm, the
+    cost per token of the same prompt restored from the tier after a flood
+    evicted it from the engine (TTFT of one request each; both include the
+    fixed cost of a request, which the longer prompt makes small)."""
+    rng = random.Random(seed)
+    n = 1024
+    p = text(words(rng, n))
+    # 2 output tokens, not 1: a request that ends in its prefill step has its
+    # blocks stored only at the next engine step (vLLM defers stores).
+    cold = arm.client.complete(p, 2)
+    out = {"cold_ttft_s": cold.ttft, "compute_ms_per_token": 1e3 * cold.ttft / n}
+    if arm.name != "none":
+        time.sleep(1.0)
+        for _ in range(3):  # 3 x 1,024 tokens > the engine's 2,048
+            arm.client.complete(text(words(rng, n)), 2)
+        time.sleep(1.0)
+        warm = arm.client.complete(p, 2)
+        out["restored_ttft_s"] = warm.ttft
+        out["restored_cached_tokens"] = warm.cached_tokens
+        out["restore_ms_per_token"] = 1e3 * warm.ttft / n
+    return out
+
+
+def run_arm(name: str, model: Path, work: Path, pl: dict[str, Any]) -> dict[str, Any]:
+    arm = Arm(name, model, work)
+    res: dict[str, Any] = {"arm": name, "points": []}
+    try:
+        res["start_s"] = round(arm.start(), 1)
+        log(f"[{name}] vllm serve up in {res['start_s']} s")
+        arm.client.complete(text(PROBE[:40]), 4)  # warm-up
+        res["probe"] = arm.client.complete(text(PROBE), 16, stream=False).text
+        res["costs"] = per_token_costs(arm, 99)
+        costs = {k: round(v, 3) for k, v in res["costs"].items()}
+        log(f"[{name}] per-token costs {json.dumps(costs)}")
+
+        def point(wl: str, key: str, val: float, fn: Any) -> None:
+            m0, s0 = arm.client.metrics(), arm.stats()
+            results, wall = fn()
+            time.sleep(1.0)  # asynchronous offloads land before the counters are read
+            pt = summarize(results, wall, m0, arm.client.metrics(), s0, arm.stats())
+            pt.update(workload=wl, x_name=key, x=val)
+            res["points"].append(pt)
+            log(f"[{name}] {wl} {key}={val}: {pt['req_s']:.2f} req/s, {pt['out_tok_s']:.1f} tok/s,"
+                f" TTFT p50 {pt['ttft_p50']:.2f} p99 {pt['ttft_p99']:.2f} s, cached engine"
+                f" {pt['cached_engine']:.0%} tier {pt['cached_tier']:.0%}, restored"
+                f" {pt['restored_blocks']} offloaded {pt['offloaded_blocks']}, integrity"
+                f" failures {pt['integrity_failures']}, failed {pt['failed']}")  # fmt: skip
+
+        wls = pl.get("workloads", ["llmd", "conv", "fits"])
+        L = pl["llmd"]
+        for i, rate in enumerate(L["rates"] if "llmd" in wls else []):
+            prompts = llmd_requests(1000 + i, L["groups"], L["per_group"], L["prefix"],
+                                    L["question"])  # fmt: skip
+            point("llmd", "rate", rate, lambda p=prompts, r=rate, i=i:
+                  run_poisson(arm.client, p, len(p), r, L["out"], i))  # fmt: skip
+        C = pl["conv"]
+        for i, gap in enumerate(C["gaps"] if "conv" in wls else []):
+            point("conv", "gap", gap, lambda g=gap, i=i: run_conversations(
+                arm.client, 2000 + i, C["convs"], C["turns"], C["sys"], C["user"], C["out"], g,
+                C["concurrency"]))  # fmt: skip
+        F = pl["fits"]
+        if "fits" not in wls:
+            F = {**F, "per_group": 0}
+        prompts = llmd_requests(3000, F["groups"], F["per_group"], F["prefix"],
+                                F["question"])  # fmt: skip
+        if prompts:
+            point("fits", "rate", F["rate"], lambda: run_poisson(
+                arm.client, prompts, len(prompts), F["rate"], F["out"], 7))  # fmt: skip
+        res["probe_after"] = arm.client.complete(text(PROBE), 16, stream=False).text
+        res["stats_total"] = arm.stats()
+    finally:
+        arm.stop()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="one short point per workload")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--workloads", default="llmd,conv,fits", help="a subset of llmd,conv,fits")
+    ap.add_argument("--rates", default=None, help="llm-d request rates, e.g. 16,32")
+    ap.add_argument("--work", default=str(ROOT / "build" / "bench-serving"))
+    ap.add_argument("--out", default=None, help="results JSON (default: WORK/results.json)")
+    args = ap.parse_args()
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else work / "results.json"
+    model = make_model(work / "model")
+    pl = plan(args.quick)
+    if args.rates:
+        pl["llmd"]["rates"] = [float(r) for r in args.rates.split(",")]
+    pl["workloads"] = args.workloads.split(",")
+    res: dict[str, Any] = {
+        "quick": args.quick, "plan": pl, "cpus": os.cpu_count(),
+        "engine_blocks": ENGINE_BLOCKS, "host_blocks": HOST_BLOCKS, "block_tokens": BLOCK,
+        "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "arms": {},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }  # fmt: skip
+    log(f"engine KV {ENGINE_BLOCKS} blocks x {BLOCK} tokens, host tier {HOST_BLOCKS} blocks,"
+        f" KV {KV_BYTES_PER_TOKEN} B/token")  # fmt: skip
+    for name in args.arms.split(","):
+        res["arms"][name] = run_arm(name, model, work, pl)
+        out.write_text(json.dumps(res, indent=1))
+    res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    out.write_text(json.dumps(res, indent=1))
+    log(f"results: {out}")
+    from bench.serving.report import summary_lines
+
+    for line in summary_lines(res):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

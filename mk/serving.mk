@@ -1,0 +1,23 @@
+# kvseal behind a real `vllm serve` (OpenAI HTTP server, CPU platform, a local
+# random-weight model and word-level tokenizer; no hub download), driven over
+# HTTP by bench/serving/run.py. Four arms in one invocation: no offload, the
+# plaintext anchor (bench/serving/anchor.py: vLLM's CPUOffloadingManager with a
+# plain shared-memory copy worker; benchmark only), kvseal write-through and
+# kvseal write-back, each kvseal arm with a real daemon.
+#
+#   make bench-serving ARGS=--quick   one short point per workload (about 6 minutes on 2 cores)
+#   make bench-serving                the sweep of docs/serving.md (about 15 minutes)
+#   make serving-report               docs/serving.md tables and docs/serving-*.png from
+#                                     docs/serving-results.json (SERVING_RESULTS=... for another)
+
+SERVING_WORK    ?= build/bench-serving
+SERVING_RESULTS ?= docs/serving-results.json
+
+.PHONY: bench-serving serving-report
+
+bench-serving: venv-vllm
+	$(VLLM_PY) -m bench.serving.run --work $(SERVING_WORK) $(ARGS)
+
+serving-report: venv-vllm
+	$(VLLM_PY) -m bench.serving.report $(SERVING_RESULTS) --md docs/serving.md \
+	  --png-prefix docs/serving
