@@ -81,7 +81,15 @@ from kvseal.client.shm import SHM_DIR, KVShape, SharedKVPool
 
 from tests.conftest import DaemonProc, start_daemon
 
-from .soak_engine import EXPECTED, FINGERPRINT, GEOMETRY, TENANTS, block_content
+from .soak_engine import (
+    EXPECTED,
+    FINGERPRINT,
+    GEOMETRY,
+    SLOW_S,
+    STUCK_S,
+    TENANTS,
+    block_content,
+)
 
 ENGINE = Path(__file__).with_name("soak_engine.py")
 LAYOUTS = ("vllm_per_layer", "vllm_cross_layer", "sglang_per_layer")
@@ -469,6 +477,21 @@ def row(s: Sample, period: Sequence[Sample], prev: Sample | None, restarts: int)
     )
 
 
+def print_slow(totals: dict[str, Any]) -> None:
+    """List the engine calls that took over SLOW_S (wall-clock start and end,
+    outcome): the evidence for a slow-call or deadline failure."""
+    slow = sorted(totals.get("slow", []), key=lambda r: r.get("start", 0))
+    if not slow:
+        return
+    print()
+    print(f"## calls over {SLOW_S:.0f} s ({len(slow)}; UTC)")
+    for r in slow:
+        start = time.strftime("%H:%M:%S", time.gmtime(r["start"]))
+        end = time.strftime("%H:%M:%S", time.gmtime(r["end"]))
+        print(f"- {r['call']}: {start} -> {end} ({r['s']:.1f} s): {r['outcome']}")
+    sys.stdout.flush()
+
+
 def print_checks(checks: Sequence[Check]) -> int:
     """Print each check and the final ``N passed, M failed``; return M."""
     print()
@@ -529,6 +552,7 @@ def run(args: argparse.Namespace) -> int:
         prev_row: Sample | None = None
         next_period = period
         restarted_this_period = False
+        stuck_seen = 0
         print()
         print(HEADER)
         print("|" + " --- |" * (HEADER.count("|") - 1), flush=True)
@@ -553,6 +577,19 @@ def run(args: argparse.Namespace) -> int:
                 engines.totals(),
             )
             samples.append(s)
+            stuck = int(s.engines.get("stuck", 0))
+            if stuck > stuck_seen:
+                # An engine's call has been in flight for STUCK_S: the daemon logs
+                # every thread's stack (its SIGUSR2 hook), to say where it sits.
+                stuck_seen = stuck
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR2)
+                print(
+                    f"note: t={t:.0f} s: a call in flight for over {STUCK_S:.0f} s "
+                    f"({stuck} so far); daemon thread stacks requested (SIGUSR2, in its log)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if not restarted_this_period and t >= next_period - period / 2:
                 engines.restart_one()
                 restarted_this_period = True
@@ -619,6 +656,7 @@ def run(args: argparse.Namespace) -> int:
         rc = d.stop()
         checks.append(Check("daemon exits 0 on SIGTERM", rc == 0, f"exit status {rc}"))
         failed = print_checks(checks)
+        print_slow(totals)
         ok = failed == 0
         return 0 if ok else 1
     except BaseException as exc:
