@@ -68,3 +68,34 @@ def test_a_held_registration_does_not_expire(
         assert c.lookup(plain.pool_id, b"\0" * 32, [b"\1" * 32]).hit_blocks == 0
         hold.close()
     assert "not held within" not in daemon.log()
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_pending_expiries_share_one_thread(
+    daemon: DaemonProc, pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    """Each registration that announced a hold used to start a ``threading.Timer``
+    (a thread for its whole ``hold_within``): the daemon's thread count followed
+    the registration rate (the soak's "thread count flat" check). Now every
+    pending expiry waits on one thread."""
+    from kvseal.client import ClientConfig, KVSealClient
+
+    n = 12
+    pools = [pool_factory(num_pages=2) for _ in range(n)]
+    with KVSealClient(ClientConfig(target=daemon.target)) as c:
+        c.stats()  # the connection and a handler thread exist before the baseline
+        before = _threads(daemon.proc.pid)
+        ids = [
+            c.register_pool(f"unheld-{i}", FP, p.geometry(), hold_within_s=600).pool_id
+            for i, p in enumerate(pools)
+        ]
+        after = _threads(daemon.proc.pid)
+        # One expiry thread, plus gRPC's executor growing by a thread or two.
+        assert after - before <= 3, (before, after)
+        assert _pools(daemon) == n  # none expired: 600 s to go
+        for pid in ids:
+            c.unregister_pool(pid)

@@ -21,12 +21,14 @@ is the only channel, so a SIGKILLed engine loses at most a second of counts.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
 import random
 import signal
 import sys
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -67,6 +69,9 @@ MAX_CHAIN = 14  # longest path (blocks): the pool has this many pages
 # this one) evicted, released or dropped a block between lookup and restore, or
 # every slot was momentarily pinned or pending. Anything else is unexpected.
 EXPECTED = frozenset({"NOT_FOUND/BLOCK_NOT_PRESENT", "RESOURCE_EXHAUSTED/CAPACITY_EXHAUSTED"})
+SLOW_S = 10.0  # a call this long is recorded (start, end, outcome) in ``slow``
+STUCK_S = 20.0  # a call in flight this long is reported (``stuck``): the driver dumps stacks
+MAX_RECORDS = 50
 
 
 def block_hash(family: int, branch: int, k: int) -> bytes:
@@ -107,6 +112,10 @@ class Counts:
     degraded: int = 0  # EnginePool calls that returned a miss / False
     no_handle: int = 0  # iterations skipped while (re)registering
     pool_cycles: int = 0
+    # Calls over SLOW_S: {"call", "start", "end" (wall clock, s), "s", "outcome"}.
+    slow: list[dict[str, Any]] = field(default_factory=list)
+    stuck: int = 0  # calls that were still in flight after STUCK_S
+    stuck_calls: list[dict[str, Any]] = field(default_factory=list)  # {"call", "start"}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -121,6 +130,9 @@ class Counts:
             "degraded": self.degraded,
             "no_handle": self.no_handle,
             "pool_cycles": self.pool_cycles,
+            "slow": self.slow[:MAX_RECORDS],
+            "stuck": self.stuck,
+            "stuck_calls": self.stuck_calls[:MAX_RECORDS],
         }
 
 
@@ -154,6 +166,50 @@ class Engine:
         self.hot = [self.paths[i] for i in order]
         self.hot_weights = [1.0 / (rank + 1) for rank in range(len(order))]
         self.recent: deque[tuple[bytes, list[bytes]]] = deque(maxlen=8)
+        # The call in flight (name, wall start, monotonic start), read by the
+        # watchdog thread; the status file is written under _status_lock.
+        self.inflight: tuple[str, float, float] | None = None
+        self._status_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- slow calls
+
+    def timed(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, recorded in ``slow`` if it took over SLOW_S."""
+        wall, mono = time.time(), time.monotonic()
+        self.inflight = (name, wall, mono)
+        outcome = "ok"
+        try:
+            return fn(*args, **kwargs)
+        except KVSealRpcError as e:
+            outcome = f"{e.code.name}/{e.reason or '-'}: {e}"
+            raise
+        finally:
+            self.inflight = None
+            took = time.monotonic() - mono
+            if took > SLOW_S:
+                self.counts.slow.append(
+                    {"call": name, "start": round(wall, 3), "end": round(time.time(), 3),
+                     "s": round(took, 3), "outcome": outcome[:300]}
+                )  # fmt: skip
+                self.write_status(force=True)
+
+    def watchdog(self) -> None:
+        """Report a call in flight over STUCK_S once: count it in ``stuck`` (the
+        driver then has the daemon dump its threads' stacks) and dump this
+        process's own stacks to its log."""
+        reported: tuple[str, float, float] | None = None
+        while not STOP:
+            time.sleep(1.0)
+            cur = self.inflight
+            if cur is None or cur is reported or time.monotonic() - cur[2] < STUCK_S:
+                continue
+            reported = cur
+            self.counts.stuck += 1
+            self.counts.stuck_calls.append({"call": cur[0], "start": round(cur[1], 3)})
+            print(f"soak-engine {self.args.id}: {cur[0]} in flight for {STUCK_S:.0f} s "
+                  f"(since {cur[1]:.3f}); stacks follow", file=sys.stderr, flush=True)  # fmt: skip
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            self.write_status(force=True)
 
     # ---------------------------------------------------------------- pools
 
@@ -180,13 +236,15 @@ class Engine:
         if not force and now - self._last_write < 1.0:
             return
         self._last_write = now
-        c = self.counts.to_json()
-        if self.engine is not None:
-            c["degraded"] += self.engine.failures
-        tmp = self.args.status + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"pid": os.getpid(), **c}, f)
-        os.replace(tmp, self.args.status)
+        with self._status_lock:  # the watchdog thread writes too
+            c = self.counts.to_json()
+            engine = self.engine
+            if engine is not None:
+                c["degraded"] += engine.failures
+            tmp = self.args.status + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"pid": os.getpid(), **c}, f)
+            os.replace(tmp, self.args.status)
 
     # ---------------------------------------------------------------- traffic
 
@@ -238,13 +296,16 @@ class Engine:
                 seg, dst = path[a:e], pages[a:e]
                 for bh, p in zip(seg, dst, strict=True):
                     self.pool.write_block(p, block_content(tenant, bh, self.block))
-                c.offload(pid, tenant, seg, dst, parent_hash=path[a - 1] if a else None)
+                self.timed(
+                    "offload", c.offload, pid, tenant, seg, dst,
+                    parent_hash=path[a - 1] if a else None,
+                )  # fmt: skip
                 self.recent.append((tenant, path))
             elif op in ("restore", "restore_wb", "restore_blind"):
                 n = (
                     rnd.randint(1, len(path))
                     if op == "restore_blind"
-                    else c.lookup(pid, tenant, path).hit_blocks
+                    else self.timed("lookup", c.lookup, pid, tenant, path).hit_blocks
                 )
                 if n == 0:
                     self.counts.ok[op] += 1
@@ -252,35 +313,36 @@ class Engine:
                 dst = pages[:n]
                 for p in dst:
                     self.pool.fill_page(p, 0xA5)
-                c.restore(pid, tenant, path[:n], dst, release=op == "restore_wb")
+                self.timed(op, c.restore, pid, tenant, path[:n], dst, release=op == "restore_wb")
                 self.check_pages(tenant, path[:n], dst)
             elif op == "lookup":
-                c.lookup(pid, tenant, path)
+                self.timed("lookup", c.lookup, pid, tenant, path)
             elif op == "touch":
-                c.touch(pid, tenant, path[: rnd.randint(1, len(path))])
+                self.timed("touch", c.touch, pid, tenant, path[: rnd.randint(1, len(path))])
             elif op == "drop":
                 a = rnd.randrange(len(path))
-                c.drop(pid, tenant, path[a : rnd.randint(a + 1, len(path))])
+                self.timed("drop", c.drop, pid, tenant, path[a : rnd.randint(a + 1, len(path))])
             elif op == "drop_tenant":
-                c.drop(pid, tenant, all_of_tenant=True)
+                self.timed("drop_tenant", c.drop, pid, tenant, all_of_tenant=True)
             else:  # the engine hot-path API: never raises, a miss on any failure
-                n = self.engine.lookup(tenant, path)
+                n = self.timed("api lookup", self.engine.lookup, tenant, path)
                 if n:
                     dst = pages[:n]
                     for p in dst:
                         self.pool.fill_page(p, 0xA5)
-                    if self.engine.restore(tenant, path[:n], dst):
+                    if self.timed("api restore", self.engine.restore, tenant, path[:n], dst):
                         self.check_pages(tenant, path[:n], dst)
                 else:
                     for bh, p in zip(path, pages, strict=True):
                         self.pool.write_block(p, block_content(tenant, bh, self.block))
-                    self.engine.offload(tenant, path, pages)
+                    self.timed("api offload", self.engine.offload, tenant, path, pages)
         except KVSealRpcError as e:
             self.fail(op, e)
             return
         self.counts.ok[op] += 1
 
     def run(self) -> None:
+        threading.Thread(target=self.watchdog, name="soak-watchdog", daemon=True).start()
         self.open_pool()
         ops_in_pool = 0
         pause = self.args.pause_ms / 1000.0

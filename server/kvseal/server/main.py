@@ -721,6 +721,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.begin_shutdown())
+    # On demand, every thread's stack to the log (stderr): where a slow request
+    # sits, without stopping the daemon (`kill -USR2 <pid>`; the soak sends it
+    # when an engine's call has been in flight for long). Stacks carry no data.
+    faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)
     daemon.start()
     code = daemon.wait()
     _exit_watchdog(code, EXIT_WATCHDOG_S)  # the process's own entry point: exit it

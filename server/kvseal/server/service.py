@@ -34,6 +34,7 @@ from kvseal.server.errors import (
     UnknownPool,
     echo,
 )
+from kvseal.server.timers import Deferred
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.v1 import kvseal_pb2_grpc as pb_grpc
 from opentelemetry import trace
@@ -204,6 +205,7 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         self.cache = cache
         self.instance = instance
         self.on_done = on_done
+        self.expiries = Deferred("kvseal-hold-expiry")
 
     @handler
     def RegisterPool(
@@ -215,9 +217,10 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         if hold_within is not None:
             # The client will hold this registration (HoldPool) at once; if no hold
             # ever comes, its engine died in between: do not map its memory forever.
-            t = threading.Timer(hold_within, self.cache.expire_unheld, (reg.pool_id, hold_within))
-            t.daemon = True
-            t.start()
+            # One shared thread, not a Timer thread per registration (kvseal.server.timers).
+            self.expiries.call_later(
+                hold_within, self.cache.expire_unheld, reg.pool_id, hold_within
+            )
         return pb.RegisterPoolReply(
             pool_id=reg.pool_id,
             namespace=reg.namespace,
