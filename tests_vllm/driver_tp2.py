@@ -49,7 +49,11 @@ if __name__ == "__main__":
             kv_connector_module_path="kvseal.vllm.connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"kvseal_socket": sock},
+            # Two engine workers and two daemons share 2 cores here: a longer
+            # transfer deadline than the 10 s default keeps a starved moment
+            # from turning a restore into a recompute (the tokens would match
+            # either way; the test also wants restores on both ranks).
+            kv_connector_extra_config={"kvseal_socket": sock, "kvseal_transfer_timeout_s": 60},
         ),
     )
     sp = SamplingParams(temperature=0, max_tokens=8, detokenize=False)
