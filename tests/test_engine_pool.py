@@ -26,7 +26,8 @@ from typing import Any
 import grpc
 import pytest
 from kvseal.client import ClientConfig, EnginePool, KVSealClient, KVSealRpcError, tenant_digest
-from kvseal.client.client import LookupResult, PoolHandle, _Backoff
+from kvseal.client.engine_pool import _Backoff
+from kvseal.client.results import LookupResult, PoolHandle
 from kvseal.client.shm import SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
 

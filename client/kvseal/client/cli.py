@@ -19,7 +19,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from google.protobuf.json_format import MessageToDict
-from kvseal.client.client import ClientConfig, KVSealClient, KVSealRpcError, default_target
+from kvseal.client.client import KVSealClient
+from kvseal.client.config import ClientConfig, default_target
+from kvseal.client.errors import KVSealRpcError
 from kvseal.client.hashing import chain_block_hashes, tenant_digest
 from kvseal.client.shm import LAYOUTS, KVShape, SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
