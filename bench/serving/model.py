@@ -3,9 +3,11 @@ tokenizer, both generated locally (no hub download), saved as one HF folder
 that ``vllm serve`` loads.
 
 Sized so that computing a token's KV costs far more than restoring it: a wide
-MLP (4,096) and 16 query heads but only 2 KV heads (GQA) of dim 64 over 8
-layers (~120 M parameters), so a token's KV is 4 KiB (a 32-token block
-128 KiB) while its prefill is ~120 M multiply-adds. The tokenizer maps the
+MLP (6,144) and 24 query heads but only 2 KV heads (GQA) of dim 64 over 8
+layers (~265 M parameters), so a token's KV is 4 KiB (a 32-token block
+128 KiB) while its prefill is ~265 M multiply-adds (a GPU serving a 32B model
+spends ~32 G multiply-adds on a token whose KV is 256 KiB: the same order of
+compute per KV byte). The tokenizer maps the
 words ``w3`` .. ``w1023`` one to one onto
 token ids, so a prompt of n words is n tokens and a model's answer, sent back
 as text, tokenizes to the same ids (multi-turn prefixes stay cacheable).
@@ -18,6 +20,7 @@ from pathlib import Path
 
 VOCAB = 1024
 LAYERS, KV_HEADS, HEAD_DIM = 8, 2, 64
+HIDDEN, MLP, Q_HEADS = 1536, 6144, 24
 KV_BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
 
 
@@ -27,8 +30,12 @@ def word(i: int) -> str:
 
 def make_model(path: Path, seed: int = 4321) -> Path:
     """Write model and tokenizer to ``path`` (idempotent) and return it."""
-    if (path / "tokenizer.json").exists():
-        return path
+    stamp = path / "kvseal-model.json"
+    shape = {"layers": LAYERS, "hidden": HIDDEN, "mlp": MLP, "q_heads": Q_HEADS,
+             "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "seed": seed}  # fmt: skip
+    if (path / "tokenizer.json").exists() and stamp.exists():
+        if json.loads(stamp.read_text()) == shape:
+            return path
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -36,10 +43,10 @@ def make_model(path: Path, seed: int = 4321) -> Path:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=1024,
-        intermediate_size=4096,
+        hidden_size=HIDDEN,
+        intermediate_size=MLP,
         num_hidden_layers=LAYERS,
-        num_attention_heads=16,
+        num_attention_heads=Q_HEADS,
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         max_position_embeddings=4096,
@@ -64,4 +71,5 @@ def make_model(path: Path, seed: int = 4321) -> Path:
     tc = json.loads((path / "tokenizer_config.json").read_text())
     tc["add_bos_token"] = False
     (path / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
+    stamp.write_text(json.dumps(shape))  # a model of another shape is rebuilt
     return path

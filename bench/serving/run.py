@@ -42,7 +42,7 @@ from bench.serving.model import KV_BYTES_PER_TOKEN, VOCAB, make_model, word  # n
 from tests_vllm.daemon import Daemon  # noqa: E402
 
 BLOCK = 32
-ENGINE_BLOCKS = 64  # engine KV cache: 2,048 tokens
+ENGINE_BLOCKS = 128  # engine KV cache: 4,096 tokens
 HOST_FACTOR = 2.4  # host tier / engine KV (the seed's ratio)
 BLOCK_BYTES = BLOCK * KV_BYTES_PER_TOKEN
 HOST_BLOCKS = int(ENGINE_BLOCKS * HOST_FACTOR)
@@ -140,6 +140,12 @@ class Client:
         finally:
             conn.close()
 
+    def engine_blocks(self) -> int | None:
+        """The KV cache size the engine reports (``num_gpu_blocks`` of
+        ``vllm:cache_config_info``), which may differ from what was asked."""
+        m = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', self.get("/metrics"))
+        return int(m.group(1)) if m else None
+
     def metrics(self) -> dict[str, float]:
         """vLLM's prefix-cache counters (tokens): the engine's own cache and the
         connector's (external) tier."""
@@ -157,15 +163,18 @@ class Client:
 
 
 def llmd_requests(seed: int, groups: int, per_group: int, prefix: int,
-                  question: int) -> list[str]:  # fmt: skip
+                  question: int, passes: int = 1) -> list[str]:  # fmt: skip
     """``groups`` x ``per_group`` prompts (a group's shared prefix + a fresh
-    question each), shuffled: the order the Poisson arrivals send them in."""
+    question each), shuffled once and then sent ``passes`` times over in that
+    order: what llm-d's harness (inference-perf's shared-prefix generator)
+    does: it shuffles its prompt list once and cycles through it for the
+    whole run, so every prompt recurs once per cycle."""
     rng = random.Random(seed)
     prefixes = [words(rng, prefix) for _ in range(groups)]
     out = [text(prefixes[g] + words(rng, question)) for g in range(groups)
            for _ in range(per_group)]  # fmt: skip
     rng.shuffle(out)
-    return out
+    return out * passes
 
 
 def run_poisson(cl: Client, prompts: list[str], n: int, rate: float, out_tokens: int,
@@ -383,17 +392,17 @@ def plan(quick: bool) -> dict[str, Any]:
     """Workload shapes (tokens), scaled to this machine keeping the seed's ratios:
     llm-d working set (groups x prefix) 2.25x the engine KV, fits 0.4x."""
     p: dict[str, Any] = {
-        "llmd": {"groups": 12, "per_group": 4, "prefix": 384, "question": 32, "out": 8,
-                 "rates": [1.0, 2.0, 4.0, 8.0]},
-        "conv": {"convs": 12, "turns": 4, "sys": 160, "user": 48, "out": 16,
-                 "gaps": [0.0, 1.0, 4.0], "concurrency": 4},
-        "fits": {"groups": 2, "per_group": 10, "prefix": 384, "question": 32, "out": 8,
-                 "rate": 2.0},
+        "llmd": {"groups": 12, "per_group": 5, "prefix": 768, "question": 32, "out": 8,
+                 "passes": 3, "rates": [1.0, 2.0, 4.0, 8.0]},
+        "conv": {"convs": 12, "turns": 4, "sys": 512, "user": 64, "out": 16,
+                 "gaps": [0.0, 2.0, 8.0], "concurrency": 4},
+        "fits": {"groups": 2, "per_group": 10, "prefix": 768, "question": 32, "out": 8,
+                 "passes": 2, "rate": 1.0},
     }  # fmt: skip
     if quick:
-        p["llmd"].update(rates=[4.0], groups=6, per_group=2)
+        p["llmd"].update(rates=[4.0], groups=6, per_group=2, passes=1)
         p["conv"].update(convs=4, turns=3, gaps=[1.0], concurrency=2)
-        p["fits"].update(per_group=3)
+        p["fits"].update(per_group=3, passes=1)
     return p
 
 
@@ -411,7 +420,7 @@ def per_token_costs(arm: Arm, seed: int) -> dict[str, float]:
     out = {"cold_ttft_s": cold.ttft, "compute_ms_per_token": 1e3 * cold.ttft / n}
     if arm.name != "none":
         time.sleep(1.0)
-        for _ in range(3):  # 3 x 1,024 tokens > the engine's 2,048
+        for _ in range(5):  # 5 x 1,024 tokens > the engine's 4,096
             arm.client.complete(text(words(rng, n)), 2)
         time.sleep(1.0)
         warm = arm.client.complete(p, 2)
@@ -426,7 +435,9 @@ def run_arm(name: str, model: Path, work: Path, pl: dict[str, Any]) -> dict[str,
     res: dict[str, Any] = {"arm": name, "points": []}
     try:
         res["start_s"] = round(arm.start(), 1)
-        log(f"[{name}] vllm serve up in {res['start_s']} s")
+        res["engine_blocks"] = arm.client.engine_blocks()
+        log(f"[{name}] vllm serve up in {res['start_s']} s, engine KV cache"
+            f" {res['engine_blocks']} blocks")
         arm.client.complete(text(PROBE[:40]), 4)  # warm-up
         res["probe"] = arm.client.complete(text(PROBE), 16, stream=False).text
         res["costs"] = per_token_costs(arm, 99)
@@ -450,7 +461,7 @@ def run_arm(name: str, model: Path, work: Path, pl: dict[str, Any]) -> dict[str,
         L = pl["llmd"]
         for i, rate in enumerate(L["rates"] if "llmd" in wls else []):
             prompts = llmd_requests(1000 + i, L["groups"], L["per_group"], L["prefix"],
-                                    L["question"])  # fmt: skip
+                                    L["question"], L["passes"])  # fmt: skip
             point("llmd", "rate", rate, lambda p=prompts, r=rate, i=i:
                   run_poisson(arm.client, p, len(p), r, L["out"], i))  # fmt: skip
         C = pl["conv"]
@@ -462,7 +473,7 @@ def run_arm(name: str, model: Path, work: Path, pl: dict[str, Any]) -> dict[str,
         if "fits" not in wls:
             F = {**F, "per_group": 0}
         prompts = llmd_requests(3000, F["groups"], F["per_group"], F["prefix"],
-                                F["question"])  # fmt: skip
+                                F["question"], F["passes"])  # fmt: skip
         if prompts:
             point("fits", "rate", F["rate"], lambda: run_poisson(
                 arm.client, prompts, len(prompts), F["rate"], F["out"], 7))  # fmt: skip
