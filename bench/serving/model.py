@@ -33,9 +33,9 @@ def make_model(path: Path, seed: int = 4321) -> Path:
     stamp = path / "kvseal-model.json"
     shape = {"layers": LAYERS, "hidden": HIDDEN, "mlp": MLP, "q_heads": Q_HEADS,
              "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "seed": seed}  # fmt: skip
-    if (path / "tokenizer.json").exists() and stamp.exists():
-        if json.loads(stamp.read_text()) == shape:
-            return path
+    built = (path / "tokenizer.json").exists() and stamp.exists()
+    if built and json.loads(stamp.read_text()) == shape:
+        return path
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast

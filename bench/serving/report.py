@@ -34,6 +34,14 @@ def _match(res: dict[str, Any], arm: str, p: dict[str, Any]) -> dict[str, Any] |
 def tables(res: dict[str, Any]) -> list[str]:
     out: list[str] = []
     arms = list(res["arms"])
+    eb = {res["arms"][a].get("engine_blocks") for a in arms}
+    out.append(
+        f"Engine KV cache as vLLM reports it: {', '.join(str(b) for b in sorted(eb, key=str))}"
+        f" blocks of {res.get('block_tokens')} tokens; second tier {res.get('host_blocks')}"
+        " blocks. *load*: the machine's 1-minute load average when the point ended"
+        f" ({res.get('cpus')} CPUs)."
+    )
+    out.append("")
     out.append("Per-token costs (one request alone, TTFT / 1,024 prompt tokens):")
     out.append("")
     out.append(
@@ -53,9 +61,9 @@ def tables(res: dict[str, Any]) -> list[str]:
         out += ["", f"**{title}**", ""]
         out.append(
             "| arm | point | req/s | out tok/s | TTFT mean / p50 / p99 s | cached: engine / tier"
-            " | restored / offloaded blocks | integrity failures | req/s vs no offload |"
+            " | restored / offloaded blocks | integrity failures | req/s vs no offload | load |"
         )
-        out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for a in arms:
             for p in _points(res, a, wl):
                 base = _match(res, "none", p)
@@ -70,6 +78,7 @@ def tables(res: dict[str, Any]) -> list[str]:
                     f" {p['out_tok_s']:.1f} | {p['ttft_mean']:.2f} / {p['ttft_p50']:.2f} /"
                     f" {p['ttft_p99']:.2f} | {p['cached_engine']:.0%} / {p['cached_tier']:.0%} |"
                     f" {rb} | {p['integrity_failures']} | {ratio} |"
+                    f" {p.get('load_avg', float('nan')):.1f} |"
                 )  # fmt: skip
     return out
 

@@ -397,7 +397,7 @@ def plan(quick: bool) -> dict[str, Any]:
         "conv": {"convs": 12, "turns": 4, "sys": 512, "user": 64, "out": 16,
                  "gaps": [0.0, 2.0, 8.0], "concurrency": 4},
         "fits": {"groups": 2, "per_group": 10, "prefix": 768, "question": 32, "out": 8,
-                 "passes": 2, "rate": 1.0},
+                 "passes": 4, "rate": 32.0},
     }  # fmt: skip
     if quick:
         p["llmd"].update(rates=[4.0], groups=6, per_group=2, passes=1)
@@ -430,58 +430,79 @@ def per_token_costs(arm: Arm, seed: int) -> dict[str, float]:
     return out
 
 
-def run_arm(name: str, model: Path, work: Path, pl: dict[str, Any]) -> dict[str, Any]:
-    arm = Arm(name, model, work)
-    res: dict[str, Any] = {"arm": name, "points": []}
-    try:
-        res["start_s"] = round(arm.start(), 1)
-        res["engine_blocks"] = arm.client.engine_blocks()
-        log(f"[{name}] vllm serve up in {res['start_s']} s, engine KV cache"
-            f" {res['engine_blocks']} blocks")
-        arm.client.complete(text(PROBE[:40]), 4)  # warm-up
-        res["probe"] = arm.client.complete(text(PROBE), 16, stream=False).text
-        res["costs"] = per_token_costs(arm, 99)
-        costs = {k: round(v, 3) for k, v in res["costs"].items()}
-        log(f"[{name}] per-token costs {json.dumps(costs)}")
+def _point_log(name: str, pt: dict[str, Any]) -> None:
+    log(f"[{name}] {pt['workload']} {pt['x_name']}={pt['x']}: {pt['req_s']:.2f} req/s,"
+        f" {pt['out_tok_s']:.1f} tok/s, TTFT p50 {pt['ttft_p50']:.2f} p99 {pt['ttft_p99']:.2f} s,"
+        f" cached engine {pt['cached_engine']:.0%} tier {pt['cached_tier']:.0%}, restored"
+        f" {pt['restored_blocks']} offloaded {pt['offloaded_blocks']}, integrity failures"
+        f" {pt['integrity_failures']}, failed {pt['failed']},"
+        f" load {pt['load_avg']:.1f}")  # fmt: skip
 
-        def point(wl: str, key: str, val: float, fn: Any) -> None:
-            m0, s0 = arm.client.metrics(), arm.stats()
-            results, wall = fn()
-            time.sleep(1.0)  # asynchronous offloads land before the counters are read
-            pt = summarize(results, wall, m0, arm.client.metrics(), s0, arm.stats())
-            pt.update(workload=wl, x_name=key, x=val)
-            res["points"].append(pt)
-            log(f"[{name}] {wl} {key}={val}: {pt['req_s']:.2f} req/s, {pt['out_tok_s']:.1f} tok/s,"
-                f" TTFT p50 {pt['ttft_p50']:.2f} p99 {pt['ttft_p99']:.2f} s, cached engine"
-                f" {pt['cached_engine']:.0%} tier {pt['cached_tier']:.0%}, restored"
-                f" {pt['restored_blocks']} offloaded {pt['offloaded_blocks']}, integrity"
-                f" failures {pt['integrity_failures']}, failed {pt['failed']}")  # fmt: skip
 
-        wls = pl.get("workloads", ["llmd", "conv", "fits"])
-        L = pl["llmd"]
-        for i, rate in enumerate(L["rates"] if "llmd" in wls else []):
-            prompts = llmd_requests(1000 + i, L["groups"], L["per_group"], L["prefix"],
-                                    L["question"], L["passes"])  # fmt: skip
-            point("llmd", "rate", rate, lambda p=prompts, r=rate, i=i:
-                  run_poisson(arm.client, p, len(p), r, L["out"], i))  # fmt: skip
-        C = pl["conv"]
-        for i, gap in enumerate(C["gaps"] if "conv" in wls else []):
-            point("conv", "gap", gap, lambda g=gap, i=i: run_conversations(
-                arm.client, 2000 + i, C["convs"], C["turns"], C["sys"], C["user"], C["out"], g,
-                C["concurrency"]))  # fmt: skip
-        F = pl["fits"]
-        if "fits" not in wls:
-            F = {**F, "per_group": 0}
+def workload_points(pl: dict[str, Any]) -> list[tuple[str, str, float, Any]]:
+    """Every point of the plan as (workload, x name, x, run(client)): each point
+    has prompts of its own, the same for every arm."""
+    wls = pl.get("workloads", ["llmd", "conv", "fits"])
+    pts: list[tuple[str, str, float, Any]] = []
+    L = pl["llmd"]
+    for i, rate in enumerate(L["rates"] if "llmd" in wls else []):
+        prompts = llmd_requests(1000 + i, L["groups"], L["per_group"], L["prefix"],
+                                L["question"], L["passes"])  # fmt: skip
+        pts.append(("llmd", "rate", rate, lambda cl, p=prompts, r=rate, i=i:
+                    run_poisson(cl, p, len(p), r, L["out"], i)))  # fmt: skip
+    C = pl["conv"]
+    for i, gap in enumerate(C["gaps"] if "conv" in wls else []):
+        pts.append(("conv", "gap", gap, lambda cl, g=gap, i=i: run_conversations(
+            cl, 2000 + i, C["convs"], C["turns"], C["sys"], C["user"], C["out"], g,
+            C["concurrency"])))  # fmt: skip
+    F = pl["fits"]
+    if "fits" in wls:
         prompts = llmd_requests(3000, F["groups"], F["per_group"], F["prefix"],
                                 F["question"], F["passes"])  # fmt: skip
-        if prompts:
-            point("fits", "rate", F["rate"], lambda: run_poisson(
-                arm.client, prompts, len(prompts), F["rate"], F["out"], 7))  # fmt: skip
-        res["probe_after"] = arm.client.complete(text(PROBE), 16, stream=False).text
-        res["stats_total"] = arm.stats()
+        pts.append(("fits", "rate", F["rate"], lambda cl, p=prompts: run_poisson(
+            cl, p, len(p), F["rate"], F["out"], 7)))  # fmt: skip
+    return pts
+
+
+def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
+             res: dict[str, Any], save: Any) -> None:  # fmt: skip
+    """All arms' servers up at once, then every point run arm after arm (the
+    order rotating from point to point), so a slow drift of the machine's load
+    reaches every arm alike rather than whichever arm ran last."""
+    arms = [Arm(n, model, work) for n in names]
+    try:
+        for arm in arms:  # one at a time: startup compiles and loads weights
+            r: dict[str, Any] = {"arm": arm.name, "points": []}
+            res["arms"][arm.name] = r
+            r["start_s"] = round(arm.start(), 1)
+            r["engine_blocks"] = arm.client.engine_blocks()
+            log(f"[{arm.name}] vllm serve up in {r['start_s']} s, engine KV cache"
+                f" {r['engine_blocks']} blocks")  # fmt: skip
+            arm.client.complete(text(PROBE[:40]), 4)  # warm-up
+            r["probe"] = arm.client.complete(text(PROBE), 16, stream=False).text
+        for arm in arms:
+            r = res["arms"][arm.name]
+            r["costs"] = per_token_costs(arm, 99)
+            costs = {k: round(v, 3) for k, v in r["costs"].items()}
+            log(f"[{arm.name}] per-token costs {json.dumps(costs)}")
+        save()
+        for k, (wl, key, val, fn) in enumerate(workload_points(pl)):
+            for arm in arms[k % len(arms) :] + arms[: k % len(arms)]:
+                m0, s0 = arm.client.metrics(), arm.stats()
+                results, wall = fn(arm.client)
+                time.sleep(1.0)  # asynchronous offloads land before the counters are read
+                pt = summarize(results, wall, m0, arm.client.metrics(), s0, arm.stats())
+                pt.update(workload=wl, x_name=key, x=val, load_avg=os.getloadavg()[0])
+                res["arms"][arm.name]["points"].append(pt)
+                _point_log(arm.name, pt)
+                save()
+        for arm in arms:
+            r = res["arms"][arm.name]
+            r["probe_after"] = arm.client.complete(text(PROBE), 16, stream=False).text
+            r["stats_total"] = arm.stats()
     finally:
-        arm.stop()
-    return res
+        for arm in arms:
+            arm.stop()
 
 
 def main() -> None:
@@ -509,9 +530,8 @@ def main() -> None:
     }  # fmt: skip
     log(f"engine KV {ENGINE_BLOCKS} blocks x {BLOCK} tokens, host tier {HOST_BLOCKS} blocks,"
         f" KV {KV_BYTES_PER_TOKEN} B/token")  # fmt: skip
-    for name in args.arms.split(","):
-        res["arms"][name] = run_arm(name, model, work, pl)
-        out.write_text(json.dumps(res, indent=1))
+    run_arms(args.arms.split(","), model, work, pl, res,
+             lambda: out.write_text(json.dumps(res, indent=1)))  # fmt: skip
     res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     out.write_text(json.dumps(res, indent=1))
     log(f"results: {out}")
