@@ -31,6 +31,14 @@ def _match(res: dict[str, Any], arm: str, p: dict[str, Any]) -> dict[str, Any] |
     return None
 
 
+def _cpu(p: dict[str, Any]) -> str:
+    n = p.get("requests") or 0
+    if "engine_cpu_s" not in p or not n:
+        return "—"
+    d = "—" if p.get("restored_blocks") is None else f"{1e3 * p['daemon_cpu_s'] / n:.0f}"
+    return f"{1e3 * p['engine_cpu_s'] / n:.0f} / {d}"
+
+
 def tables(res: dict[str, Any]) -> list[str]:
     out: list[str] = []
     arms = list(res["arms"])
@@ -61,9 +69,10 @@ def tables(res: dict[str, Any]) -> list[str]:
         out += ["", f"**{title}**", ""]
         out.append(
             "| arm | point | req/s | out tok/s | TTFT mean / p50 / p99 s | cached: engine / tier"
-            " | restored / offloaded blocks | integrity failures | req/s vs no offload | load |"
+            " | restored / offloaded blocks | integrity failures | req/s vs no offload | load"
+            " | CPU ms/request: engine / daemon |"
         )
-        out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for a in arms:
             for p in _points(res, a, wl):
                 base = _match(res, "none", p)
@@ -78,7 +87,7 @@ def tables(res: dict[str, Any]) -> list[str]:
                     f" {p['out_tok_s']:.1f} | {p['ttft_mean']:.2f} / {p['ttft_p50']:.2f} /"
                     f" {p['ttft_p99']:.2f} | {p['cached_engine']:.0%} / {p['cached_tier']:.0%} |"
                     f" {rb} | {p['integrity_failures']} | {ratio} |"
-                    f" {p.get('load_avg', float('nan')):.1f} |"
+                    f" {p.get('load_avg', float('nan')):.1f} | {_cpu(p)} |"
                 )  # fmt: skip
     return out
 

@@ -338,6 +338,29 @@ class Arm:
     def tail(self) -> str:
         return (self.work / "serve.log").read_text(errors="replace")[-4000:]
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, s) used so far by the engine (every process
+        of the server's session: API server, engine core, worker) and by the
+        kvseal daemon: where a point's time goes."""
+        tick = os.sysconf("SC_CLK_TCK")
+        eng = dmn = 0.0
+        dpid = self.daemon.proc.pid if self.daemon and self.daemon.proc else -1
+        sid = self.proc.pid if self.proc is not None else -2
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                st = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            f = st[st.rindex(")") + 2 :].split()
+            t = (int(f[11]) + int(f[12])) / tick  # utime, stime
+            if int(d) == dpid:
+                dmn += t
+            elif int(f[3]) == sid:  # session id
+                eng += t
+        return {"engine_cpu_s": eng, "daemon_cpu_s": dmn}
+
     def stats(self) -> dict[str, int]:
         if self.daemon is None:
             return {}
@@ -435,8 +458,8 @@ def _point_log(name: str, pt: dict[str, Any]) -> None:
         f" {pt['out_tok_s']:.1f} tok/s, TTFT p50 {pt['ttft_p50']:.2f} p99 {pt['ttft_p99']:.2f} s,"
         f" cached engine {pt['cached_engine']:.0%} tier {pt['cached_tier']:.0%}, restored"
         f" {pt['restored_blocks']} offloaded {pt['offloaded_blocks']}, integrity failures"
-        f" {pt['integrity_failures']}, failed {pt['failed']},"
-        f" load {pt['load_avg']:.1f}")  # fmt: skip
+        f" {pt['integrity_failures']}, failed {pt['failed']}, load {pt['load_avg']:.1f},"
+        f" CPU s engine {pt['engine_cpu_s']} daemon {pt['daemon_cpu_s']}")  # fmt: skip
 
 
 def workload_points(pl: dict[str, Any]) -> list[tuple[str, str, float, Any]]:
@@ -480,18 +503,28 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
                 f" {r['engine_blocks']} blocks")  # fmt: skip
             arm.client.complete(text(PROBE[:40]), 4)  # warm-up
             r["probe"] = arm.client.complete(text(PROBE), 16, stream=False).text
+        # Per-token costs: three rounds, arm after arm, each arm's median kept
+        # (a single cold prefill swings with the machine's load).
+        rounds: dict[str, list[dict[str, float]]] = {a.name: [] for a in arms}
+        for k in range(1 if pl.get("quick") else 3):
+            for arm in arms:
+                rounds[arm.name].append(per_token_costs(arm, 99 - k))
         for arm in arms:
+            rs = rounds[arm.name]
             r = res["arms"][arm.name]
-            r["costs"] = per_token_costs(arm, 99)
+            r["costs"] = {key: statistics.median(x[key] for x in rs) for key in rs[0]}
+            r["costs_rounds"] = rs
             costs = {k: round(v, 3) for k, v in r["costs"].items()}
-            log(f"[{arm.name}] per-token costs {json.dumps(costs)}")
+            log(f"[{arm.name}] per-token costs (median of {len(rs)}) {json.dumps(costs)}")
         save()
         for k, (wl, key, val, fn) in enumerate(workload_points(pl)):
             for arm in arms[k % len(arms) :] + arms[: k % len(arms)]:
-                m0, s0 = arm.client.metrics(), arm.stats()
+                m0, s0, c0 = arm.client.metrics(), arm.stats(), arm.cpu_seconds()
                 results, wall = fn(arm.client)
                 time.sleep(1.0)  # asynchronous offloads land before the counters are read
                 pt = summarize(results, wall, m0, arm.client.metrics(), s0, arm.stats())
+                c1 = arm.cpu_seconds()
+                pt.update({k: round(c1[k] - c0[k], 2) for k in c1})
                 pt.update(workload=wl, x_name=key, x=val, load_avg=os.getloadavg()[0])
                 res["arms"][arm.name]["points"].append(pt)
                 _point_log(arm.name, pt)
@@ -522,6 +555,7 @@ def main() -> None:
     if args.rates:
         pl["llmd"]["rates"] = [float(r) for r in args.rates.split(",")]
     pl["workloads"] = args.workloads.split(",")
+    pl["quick"] = args.quick
     res: dict[str, Any] = {
         "quick": args.quick, "plan": pl, "cpus": os.cpu_count(),
         "engine_blocks": ENGINE_BLOCKS, "host_blocks": HOST_BLOCKS, "block_tokens": BLOCK,
