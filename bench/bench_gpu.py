@@ -55,9 +55,9 @@ from types import FrameType
 from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from kvseal.server.backend import BlockIO
-from kvseal.server.cuda import probe
-from kvseal.server.cuda.backend import (
+from kvseal.server.backends.cpu.backend import BlockIO
+from kvseal.server.backends.cuda import probe
+from kvseal.server.backends.cuda.backend import (
     DEFAULT_MIN_CHUNK_BYTES,
     CudaBackend,
     CudaDevice,
@@ -69,7 +69,7 @@ from kvseal.server.cuda.backend import (
     request_layout,
     staging_layout,
 )
-from kvseal.server.cuda.region import CudaHostRegion
+from kvseal.server.backends.cuda.region import CudaHostRegion
 from kvseal.server.hostregion import Extent
 from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec
 from kvseal.server.sealing import BlockAD, SealingError, SealRecord

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from kvseal.server.backend import BlockIO
-from kvseal.server.cuda import emulated as E
-from kvseal.server.cuda import probe
-from kvseal.server.cuda.backend import (
+from kvseal.server.backends.cpu.backend import BlockIO
+from kvseal.server.backends.cuda import emulated as E
+from kvseal.server.backends.cuda import probe
+from kvseal.server.backends.cuda.backend import (
     CudaBackend,
     CudaError,
     EmulatedDevice,
@@ -45,7 +45,7 @@ from kvseal.server.cuda.backend import (
     split_chunks,
     staging_layout,
 )
-from kvseal.server.cuda.region import CudaHostRegion
+from kvseal.server.backends.cuda.region import CudaHostRegion
 from kvseal.server.deadline import Deadline
 from kvseal.server.errors import (
     BadRequest,
@@ -800,7 +800,7 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("no C compiler for the fake libcuda")
     try:
         probe.driver_module()
-        from kvseal.server.cuda import compile as kc
+        from kvseal.server.backends.cuda import compile as kc
 
         kc.nvrtc_version()
     except (ImportError, RuntimeError) as e:
@@ -851,7 +851,7 @@ def test_cuda_device_over_fake_driver(
 def test_nvrtc_compile_leaves_one_byte_bytes_alone() -> None:
     """NVRTC writes its (1-byte, empty) log into the buffer it is given: a ``b" " * 1``
     buffer is CPython's shared ``b" "`` object, which then reads b"\\0" process-wide."""
-    from kvseal.server.cuda import compile as kc
+    from kvseal.server.backends.cuda import compile as kc
 
     try:
         kc.nvrtc_version()
@@ -859,7 +859,7 @@ def test_nvrtc_compile_leaves_one_byte_bytes_alone() -> None:
         pytest.skip(f"NVRTC unavailable: {e}")
     root = Path(__file__).resolve().parent.parent
     code = (
-        "from kvseal.server.cuda import compile as kc\n"
+        "from kvseal.server.backends.cuda import compile as kc\n"
         "k = kc.compile_kernels('sm_90', use_cache=False)\n"
         "space = b' '\n"
         "assert space[0] == 32, 'b\" \" was overwritten'\n"
@@ -1253,7 +1253,7 @@ DAEMON_ARGS = ("--backend", "cuda", "--host-bytes", "1MiB", "--grace", "1")
 _BREAKABLE_DAEMON = """
 import signal, sys
 from kvseal.server import main as m
-from kvseal.server.cuda.backend import CudaBackend
+from kvseal.server.backends.cuda.backend import CudaBackend
 from tests.test_cuda_backend_cpu import LosesContext
 dev = LosesContext()
 m.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
@@ -1359,7 +1359,7 @@ def test_map_pool_refuses_buffers_that_alias_in_one_allocation(
 
 
 def test_check_no_alias_is_exact_about_extents() -> None:
-    from kvseal.server.cuda.backend import check_no_alias
+    from kvseal.server.backends.cuda.backend import check_no_alias
 
     segs = [SegmentSpec(0, 0, 100, 50), SegmentSpec(1, 0, 100, 50)]
     # Different allocations never alias, whatever the addresses.

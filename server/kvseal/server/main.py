@@ -40,7 +40,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvseal.server import locks, sealing, telemetry
-from kvseal.server.backend import Backend, CpuBackend
+from kvseal.server.backends.cpu.backend import Backend, CpuBackend
 from kvseal.server.cache import Observer, SealedCache
 from kvseal.server.config import (
     EXIT_INTEGRITY,
@@ -272,11 +272,11 @@ def make_backend(cfg: ServerConfig, sealer: sealing.BlockSealer) -> Backend:
     ``auto``: the GPU backend when usable, else CPU with a log line saying why."""
     if cfg.backend in ("cuda", "auto"):
         # Imported here so that CPU-only installs never load cuda-python.
-        from kvseal.server.cuda import probe  # noqa: PLC0415
+        from kvseal.server.backends.cuda import probe  # noqa: PLC0415
 
         ok, reason = probe.cuda_available(cfg.device)
         if ok:
-            from kvseal.server.cuda.backend import (  # noqa: PLC0415
+            from kvseal.server.backends.cuda.backend import (  # noqa: PLC0415
                 BackendUnavailable,
                 CudaBackend,
                 CudaError,

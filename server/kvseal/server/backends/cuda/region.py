@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from kvseal.server.hostregion import RegionError
 
 if TYPE_CHECKING:
-    from kvseal.server.cuda.backend import Device
+    from kvseal.server.backends.cuda.backend import Device
 
 log = logging.getLogger("kvseal.cuda")
 

@@ -1,6 +1,6 @@
 """The CUDA backend: seal and verify KV blocks on the GPU (cuda-python driver API).
 
-It keeps the :class:`~kvseal.server.backend.Backend` contract (see that module):
+It keeps the :class:`~kvseal.server.backends.cpu.backend.Backend` contract (see that module):
 ``seal_blocks`` returns one :class:`SealRecord` per block or raises (then every nonce
 it drew is burnt and no extent holds a valid block); ``open_blocks`` authenticates
 every block and writes nothing to the engine's pool unless all of them verified.
@@ -55,8 +55,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from kvseal.server.backend import BlockIO, Region, note_written
-from kvseal.server.cuda.emulated import (
+from kvseal.server.backends.cpu.backend import BlockIO, Region, note_written
+from kvseal.server.backends.cuda.emulated import (
     AAD_BYTES,
     MAX_BLOCK_BYTES,
     NONCE_BYTES,
@@ -69,7 +69,7 @@ from kvseal.server.cuda.emulated import (
     make_batch,
     segment_table,
 )
-from kvseal.server.cuda.region import CudaHostRegion
+from kvseal.server.backends.cuda.region import CudaHostRegion
 from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import (
     BadRequest,
@@ -525,7 +525,7 @@ class CudaDevice:
     """
 
     def __init__(self, ordinal: int) -> None:
-        from kvseal.server.cuda import probe  # noqa: PLC0415
+        from kvseal.server.backends.cuda import probe  # noqa: PLC0415
 
         try:
             self._cu: Any = probe.driver_module()
@@ -587,7 +587,7 @@ class CudaDevice:
         return values[0] if len(values) == 1 else tuple(values)
 
     def _load_kernels(self) -> None:
-        from kvseal.server.cuda import compile as kc  # noqa: PLC0415 - optional dependency
+        from kvseal.server.backends.cuda import compile as kc  # noqa: PLC0415 - optional dependency
 
         try:
             try:
@@ -812,7 +812,7 @@ class EmulatedDevice:
     compute_stream = "compute"
 
     def __init__(self, *, refuse_register: bool = False, deferred: bool = False) -> None:
-        from kvseal.server.cuda.emulated import load_emulator  # noqa: PLC0415
+        from kvseal.server.backends.cuda.emulated import load_emulator  # noqa: PLC0415
 
         self._lib: Any = load_emulator()._lib
         self._mem: dict[int, Any] = {}
@@ -1144,7 +1144,7 @@ class CudaBackend:
     ) -> None:
         if seal_mode not in ("dma", "mapped"):
             raise ValueError("seal_mode must be 'dma' or 'mapped'")
-        from kvseal.server.cuda import probe  # noqa: PLC0415
+        from kvseal.server.backends.cuda import probe  # noqa: PLC0415
 
         self._sealer = sealer
         self.stopping = threading.Event()  # set by the cache when it stops serving
