@@ -55,7 +55,7 @@ from types import FrameType
 from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from kvseal.server.backends.cpu.backend import BlockIO
+from kvseal.server.backends.base import BlockIO
 from kvseal.server.backends.cuda import probe
 from kvseal.server.backends.cuda.backend import (
     DEFAULT_MIN_CHUNK_BYTES,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from kvseal.server.backends.cpu.backend import BlockIO
+from kvseal.server.backends.base import BlockIO
 from kvseal.server.backends.cuda import emulated as E
 from kvseal.server.backends.cuda import probe
 from kvseal.server.backends.cuda.backend import (

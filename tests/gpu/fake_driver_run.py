@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from kvseal.server.backends.cpu.backend import BlockIO
+from kvseal.server.backends.base import BlockIO
 from kvseal.server.backends.cuda import compile as kc
 from kvseal.server.backends.cuda import probe
 from kvseal.server.backends.cuda.backend import CudaBackend, CudaDevice

@@ -55,7 +55,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 from kvseal.client import KVSealRpcError, tenant_digest  # noqa: E402
 from kvseal.client.shm import BLOCK_ORDER  # noqa: E402
 from kvseal.client.torch_pool import geometry_from_tensors, ipc_event_handle  # noqa: E402
-from kvseal.server.backends.cpu.backend import BlockIO  # noqa: E402
+from kvseal.server.backends.base import BlockIO  # noqa: E402
 from kvseal.server.backends.cuda import compile as kc  # noqa: E402
 from kvseal.server.backends.cuda import probe  # noqa: E402
 from kvseal.server.backends.cuda.backend import CudaBackend  # noqa: E402

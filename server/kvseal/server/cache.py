@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from kvseal.server import telemetry
-from kvseal.server.backends.cpu.backend import Backend, BlockIO, Region, written_positions
+from kvseal.server.backends.base import Backend, BlockIO, Region, written_positions
 from kvseal.server.config import IntegrityPolicy, ServerConfig
 from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import (

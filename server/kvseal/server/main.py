@@ -40,7 +40,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvseal.server import locks, sealing, telemetry
-from kvseal.server.backends.cpu.backend import Backend, CpuBackend
+from kvseal.server.backends.base import Backend
+from kvseal.server.backends.cpu.backend import CpuBackend
 from kvseal.server.cache import Observer, SealedCache
 from kvseal.server.config import (
     EXIT_INTEGRITY,

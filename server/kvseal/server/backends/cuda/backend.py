@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from kvseal.server.backends.cpu.backend import BlockIO, Region, note_written
+from kvseal.server.backends.base import BlockIO, Region, note_written
 from kvseal.server.backends.cuda.emulated import (
     AAD_BYTES,
     MAX_BLOCK_BYTES,
