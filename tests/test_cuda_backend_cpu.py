@@ -30,15 +30,15 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvseal.server.backends.base import BlockIO
 from kvseal.server.backends.cuda import emulated as E
 from kvseal.server.backends.cuda import probe
-from kvseal.server.backends.cuda.backend import (
-    CudaBackend,
-    CudaError,
-    EmulatedDevice,
+from kvseal.server.backends.cuda.backend import CudaBackend
+from kvseal.server.backends.cuda.device import CudaError
+from kvseal.server.backends.cuda.emulated_device import EmulatedDevice
+from kvseal.server.backends.cuda.ipc import decode_torch_ipc_handle
+from kvseal.server.backends.cuda.launch import (
     PoolDescriptors,
     batch_check_code,
     check_batch,
     chunk_batch,
-    decode_torch_ipc_handle,
     fill_descriptors,
     plan_runs,
     request_layout,
@@ -697,11 +697,11 @@ def test_raw_key_passes_only_through_a_pinned_buffer_that_is_wiped(
     backend, dev, _sealer, r = rig
     region = backend.make_region(1 << 20, None)
     pool = backend.map_pool(r.spec())
-    staged = backend._key_host
+    staged = backend._keys._key_host
     assert staged in dev._mem  # allocated with host_alloc (pinned on a GPU)
     backend.seal_blocks(pool, r.blocks([0]), region)  # derives epoch 0's context
     assert ctypes.string_at(staged, 32) == bytes(32)
-    assert ctypes.string_at(backend._key_dev, 32) == bytes(32)  # the device copy too
+    assert ctypes.string_at(backend._keys._key_dev, 32) == bytes(32)  # the device copy too
 
 
 # --------------------------------------------------------------------------------------
@@ -1359,7 +1359,7 @@ def test_map_pool_refuses_buffers_that_alias_in_one_allocation(
 
 
 def test_check_no_alias_is_exact_about_extents() -> None:
-    from kvseal.server.backends.cuda.backend import check_no_alias
+    from kvseal.server.backends.cuda.ipc import check_no_alias
 
     segs = [SegmentSpec(0, 0, 100, 50), SegmentSpec(1, 0, 100, 50)]
     # Different allocations never alias, whatever the addresses.

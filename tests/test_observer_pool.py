@@ -240,7 +240,8 @@ def test_holds_and_unregister_work_on_an_observer(env: dict[str, Any]) -> None:
 _EMULATED_CUDA_DAEMON = """
 import sys
 from kvseal.server import main as m
-from kvseal.server.backends.cuda.backend import CudaBackend, EmulatedDevice
+from kvseal.server.backends.cuda.backend import CudaBackend
+from kvseal.server.backends.cuda.emulated_device import EmulatedDevice
 m.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=EmulatedDevice(), cc="off")
 sys.exit(m.main(sys.argv[1:]))
 """

@@ -277,9 +277,9 @@ def make_backend(cfg: ServerConfig, sealer: sealing.BlockSealer) -> Backend:
 
         ok, reason = probe.cuda_available(cfg.device)
         if ok:
-            from kvseal.server.backends.cuda.backend import (  # noqa: PLC0415
+            from kvseal.server.backends.cuda.backend import CudaBackend  # noqa: PLC0415
+            from kvseal.server.backends.cuda.device import (  # noqa: PLC0415
                 BackendUnavailable,
-                CudaBackend,
                 CudaError,
             )
 
