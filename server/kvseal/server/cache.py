@@ -338,6 +338,32 @@ class SealedCache:
         with self._holds_lock:
             return sum(self._holds.values())
 
+    def metrics_sample(self) -> telemetry.TierSample:
+        """The counters and gauges the metrics families export (this cache is
+        telemetry's ``MetricsSource``): read without the counter lock, as a
+        scrape always was (each value is one consistent int)."""
+        c = self.counters
+        ix = self.index.stats()
+        return telemetry.TierSample(
+            lookups=c.lookups,
+            lookup_blocks=c.lookup_blocks,
+            lookup_hit_blocks=c.lookup_hit_blocks,
+            offloaded_blocks=c.offloaded_blocks,
+            offloaded_bytes=c.offloaded_bytes,
+            restored_blocks=c.restored_blocks,
+            restored_bytes=c.restored_bytes,
+            evicted_blocks=c.evicted_blocks,
+            dropped_blocks=c.dropped_blocks,
+            integrity_failures=c.integrity_failures,
+            key_scopes_destroyed=c.key_scopes_destroyed,
+            restores_of_dropped=c.restores_of_dropped,
+            host_bytes_used=ix.used_bytes,
+            host_bytes_capacity=ix.capacity_bytes,
+            host_blocks=ix.ready,
+            registered_pools=len(self.pools),
+            pool_holds=self.open_holds,
+        )
+
     # ---------------------------------------------------------------- events
 
     def note_tenant(self, pool_id: str, tenant: bytes) -> None:
