@@ -1222,7 +1222,8 @@ def test_daemon_stops_serving_and_exits_4_when_the_backend_breaks(
     the CUDA backend over a device that loses its context: the transfer that hits it
     fails INTERNAL, health turns NOT_SERVING, and the daemon ends with exit status 4."""
     from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
-    from kvseal.server import main as m
+    from kvseal.server.daemon import cli
+    from kvseal.server.daemon import daemon as m
     from kvseal.v1 import kvseal_pb2 as pb
 
     dev = LosesContext()
@@ -1230,7 +1231,7 @@ def test_daemon_stops_serving_and_exits_4_when_the_backend_breaks(
         m, "make_backend", lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
     )
     sock = tmp_path / "run" / "k.sock"
-    cfg = m.config_from_args(
+    cfg = cli.config_from_args(
         ["--listen", f"unix://{sock}", "--backend", "cuda", "--host-bytes", "1MiB", "--grace", "1"]
     )
     daemon = m.Daemon.create(cfg)
@@ -1254,9 +1255,10 @@ _BREAKABLE_DAEMON = """
 import signal, sys
 from kvseal.server import main as m
 from kvseal.server.backends.cuda.backend import CudaBackend
+from kvseal.server.daemon import daemon as d
 from tests.test_cuda_backend_cpu import LosesContext
 dev = LosesContext()
-m.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
+d.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
 signal.signal(signal.SIGUSR1, lambda *_: setattr(dev, "lost", True))
 sys.exit(m.main(sys.argv[1:]))
 """

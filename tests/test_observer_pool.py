@@ -242,7 +242,8 @@ import sys
 from kvseal.server import main as m
 from kvseal.server.backends.cuda.backend import CudaBackend
 from kvseal.server.backends.cuda.emulated_device import EmulatedDevice
-m.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=EmulatedDevice(), cc="off")
+from kvseal.server.daemon import daemon as d
+d.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=EmulatedDevice(), cc="off")
 sys.exit(m.main(sys.argv[1:]))
 """
 
