@@ -9,6 +9,7 @@ and function-local ones (lazy imports, e.g. of the CUDA backend).
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,8 +56,9 @@ def _imported(name: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple
             targets = [
                 f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
             ]
-        for t in targets:
+        for target in targets:
             # The longest prefix that is a module of ours (``import a.b.c`` runs a.b.c).
+            t = target
             while t and t not in modules:
                 t = t.rpartition(".")[0]
             if t and t != name and (t == PACKAGE or t.startswith(PACKAGE + ".")):
@@ -149,9 +151,9 @@ def test_the_cycle_finder_finds_and_names_cycles() -> None:
 def test_the_import_parser_sees_type_only_and_local_imports(tmp_path: Path) -> None:
     graph = import_graph()
     # A lazy import inside a function is an edge (the daemon loads CUDA on demand).
-    assert "kvseal.server.backends.cuda.probe" in graph["kvseal.server.main"]
+    assert "kvseal.server.backends.cuda.probe" in graph["kvseal.server.daemon.daemon"]
     # ``from kvseal.server import telemetry`` depends on the module, not the package.
-    assert "kvseal.server.telemetry" in graph["kvseal.server.cache"]
+    assert "kvseal.server.telemetry" in graph["kvseal.server.cache.cache"]
     src = tmp_path / "m.py"
     src.write_text(
         "from typing import TYPE_CHECKING\n"
@@ -172,7 +174,7 @@ def test_no_import_cycles() -> None:
     def show(cycle: list[str]) -> str:
         hops = [
             f"{a.removeprefix(PACKAGE + '.')} (line {graph[a][b]}) -> "
-            for a, b in zip(cycle, cycle[1:], strict=False)
+            for a, b in itertools.pairwise(cycle)
         ]
         return "".join(hops) + cycle[-1].removeprefix(PACKAGE + ".")
 
