@@ -55,21 +55,19 @@ from types import FrameType
 from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from kvseal.server.backend import BlockIO
-from kvseal.server.cuda import probe
-from kvseal.server.cuda.backend import (
+from kvseal.server.backends.base import BlockIO
+from kvseal.server.backends.cuda import probe
+from kvseal.server.backends.cuda.backend import CudaBackend
+from kvseal.server.backends.cuda.device import CudaDevice, CudaError, Device
+from kvseal.server.backends.cuda.emulated_device import EmulatedDevice
+from kvseal.server.backends.cuda.launch import (
     DEFAULT_MIN_CHUNK_BYTES,
-    CudaBackend,
-    CudaDevice,
-    CudaError,
-    Device,
-    EmulatedDevice,
     chunk_batch,
     fill_descriptors,
     request_layout,
     staging_layout,
 )
-from kvseal.server.cuda.region import CudaHostRegion
+from kvseal.server.backends.cuda.region import CudaHostRegion
 from kvseal.server.hostregion import Extent
 from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec
 from kvseal.server.sealing import BlockAD, SealingError, SealRecord
@@ -419,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             dev.h2d_async(desc, host, lay.upload_seal, sk)
             dev.memset_async(desc + lay.ws, lay.total - lay.ws, sk)
             dev.sync(sk)
-            key = be()._key_ctx(epoch)
+            key = be()._keys.context(epoch)
 
             def run(kernel: str, aon: bool = False) -> None:
                 b = chunk_batch(

@@ -1,7 +1,7 @@
-# GPU kernels (server/kvseal/server/cuda): checks that need no GPU.
+# GPU kernels (server/kvseal/server/backends/cuda): checks that need no GPU.
 # Included by the top-level Makefile (-include mk/*.mk); uses its PY and venv.
 
-KERNELS_DIR   := server/kvseal/server/cuda
+KERNELS_DIR   := server/kvseal/server/backends/cuda
 KERNELS_ARCH  ?= sm_90
 NVCC          ?= nvcc
 # NVRTC compile-only wheels, verified to work on a machine without a GPU or driver.

@@ -1,4 +1,4 @@
-# Trusted index (server/kvseal/server/index.py): eviction cost under the lock.
+# Trusted index (server/kvseal/server/index/): eviction cost under the lock.
 # Included by the top-level Makefile (-include mk/*.mk); uses its PY and venv.
 
 .PHONY: bench-index

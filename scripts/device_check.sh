@@ -180,7 +180,7 @@ EOF
     else
         echo "nvidia-smi: missing"
     fi
-    "$PY" -c 'from kvseal.server.cuda.probe import cc_mode; print("CC mode (NVML):", cc_mode())' 2>&1
+    "$PY" -c 'from kvseal.server.backends.cuda.probe import cc_mode; print("CC mode (NVML):", cc_mode())' 2>&1
     command -v g++ >/dev/null && g++ --version | head -1 || echo "g++: missing (emulator tests skip)"
     echo "PYTORCH_(CUDA_)ALLOC_CONF=$PYTORCH_ALLOC_CONF LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 }
@@ -276,7 +276,7 @@ install_deps >"$DEPS_OUT" 2>&1
 tee -a "$SETUP_LOG" <"$DEPS_OUT"
 rm -f "$DEPS_OUT"
 missing=$(timeout "$(tmo 30)" "$PY" -c "$MISSING_PY" $NEEDED torch 2>/dev/null)
-timeout "$(tmo 30)" "$PY" -c 'from kvseal.server.cuda.probe import driver_module; driver_module()' \
+timeout "$(tmo 30)" "$PY" -c 'from kvseal.server.backends.cuda.probe import driver_module; driver_module()' \
     2>/dev/null || missing="$missing cuda-python"
 if ! timeout "$(tmo 30)" "$PY" -c "$STUBS_PY" >>"$SETUP_LOG" 2>&1; then
     missing="$missing protobuf>=7.35.1/grpcio>=1.85.1(stubs-fail,see-setup.log)"
@@ -307,7 +307,7 @@ try:
 except md.PackageNotFoundError:
     pass
 try:
-    from kvseal.server.cuda.compile import nvrtc_version
+    from kvseal.server.backends.cuda.compile import nvrtc_version
     print("NVRTC:", nvrtc_version())
 except Exception as e:
     print("NVRTC: unavailable:", e)
@@ -325,7 +325,7 @@ verdict "effective versions" setup
 # ---- 2. is there a GPU --------------------------------------------------------------
 stage "gpu probe" setup 60 "$PY" - "$DEVICE" <<'EOF'
 import sys
-from kvseal.server.cuda.probe import cuda_available
+from kvseal.server.backends.cuda.probe import cuda_available
 ok, why = cuda_available(int(sys.argv[1]))
 print(("GPU: " if ok else "no usable GPU: ") + why)
 sys.exit(0 if ok else 3)
@@ -341,8 +341,8 @@ fi
 # ---- 3. NVRTC build, 4. emulator tests: they need no GPU -------------------------
 stage nvrtc-build setup 90 "$PY" - "$DEVICE" <<'EOF'
 import sys, time
-from kvseal.server.cuda import compile as kc
-from kvseal.server.cuda.probe import cuda_available, driver_module
+from kvseal.server.backends.cuda import compile as kc
+from kvseal.server.backends.cuda.probe import cuda_available, driver_module
 arch = kc.DEFAULT_ARCH
 if cuda_available(int(sys.argv[1]))[0]:
     cu = driver_module()

@@ -4,7 +4,7 @@
 // a std::thread, every __syncthreads() a barrier, and several CTAs run at once, so
 // the cross-CTA reduction (64-bit atomic XORs, the ticket, the last CTA's
 // read-and-clear) meets real interleavings and real atomics, which the sequential
-// emulator (server/kvseal/server/cuda/emulate.cpp) cannot give it. Built and run by
+// emulator (server/kvseal/server/backends/cuda/emulate.cpp) cannot give it. Built and run by
 // tests/test_gpu_kernels_threaded.py, also under -fsanitize=thread.
 //
 // The phase order below must stay in step with kernels.cu, like emulate.cpp's.

@@ -27,25 +27,25 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from kvseal.server.backend import BlockIO
-from kvseal.server.cuda import emulated as E
-from kvseal.server.cuda import probe
-from kvseal.server.cuda.backend import (
-    CudaBackend,
-    CudaError,
-    EmulatedDevice,
+from kvseal.server.backends.base import BlockIO
+from kvseal.server.backends.cuda import emulated as E
+from kvseal.server.backends.cuda import probe
+from kvseal.server.backends.cuda.backend import CudaBackend
+from kvseal.server.backends.cuda.device import CudaError
+from kvseal.server.backends.cuda.emulated_device import EmulatedDevice
+from kvseal.server.backends.cuda.ipc import decode_torch_ipc_handle
+from kvseal.server.backends.cuda.launch import (
     PoolDescriptors,
     batch_check_code,
     check_batch,
     chunk_batch,
-    decode_torch_ipc_handle,
     fill_descriptors,
     plan_runs,
     request_layout,
     split_chunks,
     staging_layout,
 )
-from kvseal.server.cuda.region import CudaHostRegion
+from kvseal.server.backends.cuda.region import CudaHostRegion
 from kvseal.server.deadline import Deadline
 from kvseal.server.errors import (
     BadRequest,
@@ -697,11 +697,11 @@ def test_raw_key_passes_only_through_a_pinned_buffer_that_is_wiped(
     backend, dev, _sealer, r = rig
     region = backend.make_region(1 << 20, None)
     pool = backend.map_pool(r.spec())
-    staged = backend._key_host
+    staged = backend._keys._key_host
     assert staged in dev._mem  # allocated with host_alloc (pinned on a GPU)
     backend.seal_blocks(pool, r.blocks([0]), region)  # derives epoch 0's context
     assert ctypes.string_at(staged, 32) == bytes(32)
-    assert ctypes.string_at(backend._key_dev, 32) == bytes(32)  # the device copy too
+    assert ctypes.string_at(backend._keys._key_dev, 32) == bytes(32)  # the device copy too
 
 
 # --------------------------------------------------------------------------------------
@@ -800,7 +800,7 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("no C compiler for the fake libcuda")
     try:
         probe.driver_module()
-        from kvseal.server.cuda import compile as kc
+        from kvseal.server.backends.cuda import compile as kc
 
         kc.nvrtc_version()
     except (ImportError, RuntimeError) as e:
@@ -851,7 +851,7 @@ def test_cuda_device_over_fake_driver(
 def test_nvrtc_compile_leaves_one_byte_bytes_alone() -> None:
     """NVRTC writes its (1-byte, empty) log into the buffer it is given: a ``b" " * 1``
     buffer is CPython's shared ``b" "`` object, which then reads b"\\0" process-wide."""
-    from kvseal.server.cuda import compile as kc
+    from kvseal.server.backends.cuda import compile as kc
 
     try:
         kc.nvrtc_version()
@@ -859,7 +859,7 @@ def test_nvrtc_compile_leaves_one_byte_bytes_alone() -> None:
         pytest.skip(f"NVRTC unavailable: {e}")
     root = Path(__file__).resolve().parent.parent
     code = (
-        "from kvseal.server.cuda import compile as kc\n"
+        "from kvseal.server.backends.cuda import compile as kc\n"
         "k = kc.compile_kernels('sm_90', use_cache=False)\n"
         "space = b' '\n"
         "assert space[0] == 32, 'b\" \" was overwritten'\n"
@@ -1222,7 +1222,8 @@ def test_daemon_stops_serving_and_exits_4_when_the_backend_breaks(
     the CUDA backend over a device that loses its context: the transfer that hits it
     fails INTERNAL, health turns NOT_SERVING, and the daemon ends with exit status 4."""
     from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
-    from kvseal.server import main as m
+    from kvseal.server.daemon import cli
+    from kvseal.server.daemon import daemon as m
     from kvseal.v1 import kvseal_pb2 as pb
 
     dev = LosesContext()
@@ -1230,7 +1231,7 @@ def test_daemon_stops_serving_and_exits_4_when_the_backend_breaks(
         m, "make_backend", lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
     )
     sock = tmp_path / "run" / "k.sock"
-    cfg = m.config_from_args(
+    cfg = cli.config_from_args(
         ["--listen", f"unix://{sock}", "--backend", "cuda", "--host-bytes", "1MiB", "--grace", "1"]
     )
     daemon = m.Daemon.create(cfg)
@@ -1253,10 +1254,11 @@ DAEMON_ARGS = ("--backend", "cuda", "--host-bytes", "1MiB", "--grace", "1")
 _BREAKABLE_DAEMON = """
 import signal, sys
 from kvseal.server import main as m
-from kvseal.server.cuda.backend import CudaBackend
+from kvseal.server.backends.cuda.backend import CudaBackend
+from kvseal.server.daemon import daemon as d
 from tests.test_cuda_backend_cpu import LosesContext
 dev = LosesContext()
-m.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
+d.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off")
 signal.signal(signal.SIGUSR1, lambda *_: setattr(dev, "lost", True))
 sys.exit(m.main(sys.argv[1:]))
 """
@@ -1359,7 +1361,7 @@ def test_map_pool_refuses_buffers_that_alias_in_one_allocation(
 
 
 def test_check_no_alias_is_exact_about_extents() -> None:
-    from kvseal.server.cuda.backend import check_no_alias
+    from kvseal.server.backends.cuda.ipc import check_no_alias
 
     segs = [SegmentSpec(0, 0, 100, 50), SegmentSpec(1, 0, 100, 50)]
     # Different allocations never alias, whatever the addresses.

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from kvseal.server.cuda import compile as kc
+from kvseal.server.backends.cuda import compile as kc
 
 CUDA_DIR = Path(kc.__file__).resolve().parent
 

@@ -18,7 +18,7 @@ import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvseal.server.cuda import emulated as E
+from kvseal.server.backends.cuda import emulated as E
 
 
 @pytest.fixture(scope="module")

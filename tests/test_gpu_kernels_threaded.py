@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_DIR = ROOT / "server" / "kvseal" / "server" / "cuda"
+CUDA_DIR = ROOT / "server" / "kvseal" / "server" / "backends" / "cuda"
 SOURCE = ROOT / "tests" / "kernels_threaded.cpp"
 GXX = shutil.which("g++")
 

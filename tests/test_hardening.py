@@ -22,7 +22,7 @@ import pytest
 from kvseal.client import KVSealRpcError, chain_block_hashes, tenant_digest
 from kvseal.client.shm import KVShape, SharedKVPool
 from kvseal.server import convert
-from kvseal.server.backend import CpuBackend
+from kvseal.server.backends.cpu.backend import CpuBackend
 from kvseal.server.cache import SealedCache
 from kvseal.server.config import IntegrityPolicy, ServerConfig
 from kvseal.server.errors import IntegrityFailure, KVSealError

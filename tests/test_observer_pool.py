@@ -240,8 +240,10 @@ def test_holds_and_unregister_work_on_an_observer(env: dict[str, Any]) -> None:
 _EMULATED_CUDA_DAEMON = """
 import sys
 from kvseal.server import main as m
-from kvseal.server.cuda.backend import CudaBackend, EmulatedDevice
-m.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=EmulatedDevice(), cc="off")
+from kvseal.server.backends.cuda.backend import CudaBackend
+from kvseal.server.backends.cuda.emulated_device import EmulatedDevice
+from kvseal.server.daemon import daemon as d
+d.make_backend = lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=EmulatedDevice(), cc="off")
 sys.exit(m.main(sys.argv[1:]))
 """
 
@@ -250,7 +252,7 @@ sys.exit(m.main(sys.argv[1:]))
 def cuda_daemon(tmp_path: Path) -> Iterator[str]:
     """kvseal-server's main() on the CUDA backend over the emulated device (no GPU
     here): a daemon process that refuses shared-memory pools, as on a GPU host."""
-    from kvseal.server.cuda import emulated as E
+    from kvseal.server.backends.cuda import emulated as E
 
     try:
         E.load_emulator()

@@ -18,10 +18,11 @@ import sys
 import tempfile
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from kvseal.server.backend import BlockIO
-from kvseal.server.cuda import compile as kc
-from kvseal.server.cuda import probe
-from kvseal.server.cuda.backend import CudaBackend, CudaDevice
+from kvseal.server.backends.base import BlockIO
+from kvseal.server.backends.cuda import compile as kc
+from kvseal.server.backends.cuda import probe
+from kvseal.server.backends.cuda.backend import CudaBackend
+from kvseal.server.backends.cuda.device import CudaDevice
 from kvseal.server.errors import BadRequest, HandleUnusable
 from kvseal.server.hostregion import Extent, align_up
 from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec

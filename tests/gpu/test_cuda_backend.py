@@ -55,10 +55,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 from kvseal.client import KVSealRpcError, tenant_digest  # noqa: E402
 from kvseal.client.shm import BLOCK_ORDER  # noqa: E402
 from kvseal.client.torch_pool import geometry_from_tensors, ipc_event_handle  # noqa: E402
-from kvseal.server.backend import BlockIO  # noqa: E402
-from kvseal.server.cuda import compile as kc  # noqa: E402
-from kvseal.server.cuda import probe  # noqa: E402
-from kvseal.server.cuda.backend import CudaBackend  # noqa: E402
+from kvseal.server.backends.base import BlockIO  # noqa: E402
+from kvseal.server.backends.cuda import compile as kc  # noqa: E402
+from kvseal.server.backends.cuda import probe  # noqa: E402
+from kvseal.server.backends.cuda.backend import CudaBackend  # noqa: E402
 from kvseal.server.hostregion import Extent, align_up  # noqa: E402
 from kvseal.server.pools import BufferSpec, Geometry, PoolSpec, SegmentSpec  # noqa: E402
 from kvseal.server.sealing import BlockAD, SealRecord  # noqa: E402

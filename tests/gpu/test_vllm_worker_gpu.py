@@ -45,8 +45,8 @@ if _cuda is not None and getattr(_cuda, "is_initialized", lambda: False)():
         _set("expandable_segments:False")
 
 from kvseal.client import ClientConfig, KVSealClient, tenant_digest  # noqa: E402
-from kvseal.server.cuda import compile as kc  # noqa: E402
-from kvseal.server.cuda import probe  # noqa: E402
+from kvseal.server.backends.cuda import compile as kc  # noqa: E402
+from kvseal.server.backends.cuda import probe  # noqa: E402
 from kvseal.v1 import kvseal_pb2 as pb  # noqa: E402
 from kvseal.vllm.kv_pool import KVPool, layer_page_views, pool_geometry  # noqa: E402
 from kvseal.vllm.mirror import DaemonMirror, observer_geometry  # noqa: E402

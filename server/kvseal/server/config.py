@@ -1,7 +1,7 @@
 """Daemon configuration: one frozen, validated dataclass.
 
 Command-line flags and ``KVSEAL_*`` environment variables map onto it in
-``main``; everything below reads only this object.
+``daemon.cli``; everything below reads only this object.
 """
 
 from __future__ import annotations

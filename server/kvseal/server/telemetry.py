@@ -15,7 +15,9 @@ only as counts.
 
 Metrics are read from the cache's own counters at scrape time (one source
 of truth), except the request and latency families, which are recorded as
-they happen.
+they happen. Telemetry does not know the cache: it collects a
+:class:`TierSample` through a :class:`MetricsSource` (the cache is one), so
+the dependency points one way (cache -> telemetry).
 """
 
 from __future__ import annotations
@@ -25,13 +27,11 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-
-if TYPE_CHECKING:
-    from kvseal.server.cache import SealedCache
 
 log = logging.getLogger("kvseal.telemetry")
 _tracer: trace.Tracer | None = None
@@ -145,10 +145,40 @@ def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------ metrics
 
 
+@dataclass(frozen=True, slots=True)
+class TierSample:
+    """The sealed tier's counters (totals since start) and gauges at one scrape."""
+
+    lookups: int
+    lookup_blocks: int
+    lookup_hit_blocks: int
+    offloaded_blocks: int
+    offloaded_bytes: int
+    restored_blocks: int
+    restored_bytes: int
+    evicted_blocks: int
+    dropped_blocks: int
+    integrity_failures: int
+    key_scopes_destroyed: int
+    restores_of_dropped: int
+    host_bytes_used: int
+    host_bytes_capacity: int
+    host_blocks: int
+    registered_pools: int
+    pool_holds: int
+
+
+class MetricsSource(Protocol):
+    """Where the scrape-time families come from (the cache, ``SealedCache``).
+    Called on the metrics server's thread at each scrape; must not block long."""
+
+    def metrics_sample(self) -> TierSample: ...
+
+
 class Metrics:
     """Prometheus families for one daemon, in their own registry."""
 
-    def __init__(self, cache: SealedCache) -> None:
+    def __init__(self, source: MetricsSource) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram  # noqa: PLC0415
 
         self.registry = CollectorRegistry(auto_describe=True)
@@ -178,7 +208,7 @@ class Metrics:
             ),
             registry=self.registry,
         )
-        self.registry.register(_CacheCollector(cache))
+        self.registry.register(_SourceCollector(source))
 
     def on_request(self, method: str, code: Any) -> None:
         self.requests.labels(method, code.name).inc()
@@ -203,11 +233,11 @@ class Metrics:
         return stop
 
 
-class _CacheCollector:
-    """Reads the cache's counters and gauges at scrape time."""
+class _SourceCollector:
+    """Reads the tier's counters and gauges at scrape time."""
 
-    def __init__(self, cache: SealedCache) -> None:
-        self.cache = cache
+    def __init__(self, source: MetricsSource) -> None:
+        self.source = source
 
     def describe(self) -> list[Any]:
         return list(self.collect())
@@ -215,7 +245,7 @@ class _CacheCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
 
-        c = self.cache.counters
+        c = self.source.metrics_sample()
         counters = (
             ("kvseal_lookups", "Lookup RPCs served", c.lookups),
             ("kvseal_lookup_blocks", "Block hashes asked for in lookups", c.lookup_blocks),
@@ -241,20 +271,23 @@ class _CacheCollector:
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
-        ix = self.cache.index.stats()
         gauges = (
             (
                 "kvseal_host_bytes_used",
                 "Bytes of the host tier holding sealed blocks",
-                ix.used_bytes,
+                c.host_bytes_used,
             ),
-            ("kvseal_host_bytes_capacity", "Capacity of the host tier in bytes", ix.capacity_bytes),
-            ("kvseal_host_blocks", "Sealed blocks ready in the host tier", ix.ready),
-            ("kvseal_registered_pools", "Engine KV pools registered", len(self.cache.pools)),
+            (
+                "kvseal_host_bytes_capacity",
+                "Capacity of the host tier in bytes",
+                c.host_bytes_capacity,
+            ),
+            ("kvseal_host_blocks", "Sealed blocks ready in the host tier", c.host_blocks),
+            ("kvseal_registered_pools", "Engine KV pools registered", c.registered_pools),
             (
                 "kvseal_pool_holds",
                 "Open HoldPool streams (pools tied to a live engine process)",
-                self.cache.open_holds,
+                c.pool_holds,
             ),
         )
         for name, doc, value in gauges:

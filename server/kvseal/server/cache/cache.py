@@ -13,11 +13,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from kvseal.server import telemetry
-from kvseal.server.backend import Backend, BlockIO, Region, written_positions
+from kvseal.server.backends.base import Backend, BlockIO, Region, written_positions
+from kvseal.server.cache.checks import check_event, check_hashes, check_pages, check_tenant
+from kvseal.server.cache.results import Counters, Observer, OffloadResult, Registered, RestoreResult
 from kvseal.server.config import IntegrityPolicy, ServerConfig
 from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import (
@@ -25,13 +26,11 @@ from kvseal.server.errors import (
     BadRequest,
     CapacityExhausted,
     IntegrityFailure,
-    ObserverPoolTransfer,
-    PageOutOfRange,
     ShuttingDown,
     UnknownPool,
 )
 from kvseal.server.events import EventBus, EventKind, Subscription
-from kvseal.server.index import Entry, Index, Removal, State, StoreOutcome
+from kvseal.server.index import Entry, Index, Removal, State
 from kvseal.server.pools import MappedPool, NoMemory, Pool, PoolRegistry, PoolSpec
 from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer, KeyDestroyed
 
@@ -59,54 +58,6 @@ def _request(fn: F) -> F:
                 self._inflight_cv.notify_all()
 
     return cast(F, wrapper)
-
-
-@dataclass(frozen=True, slots=True)
-class Registered:
-    pool_id: str
-    namespace: bytes
-    block_bytes: int
-    owner_token: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadResult:
-    outcomes: list[StoreOutcome]
-    stored_blocks: int
-    stored_bytes: int
-    evicted_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreResult:
-    restored_blocks: int
-    restored_bytes: int
-
-
-@dataclass
-class Counters:
-    lookups: int = 0
-    lookup_blocks: int = 0
-    lookup_hit_blocks: int = 0
-    offloaded_blocks: int = 0
-    offloaded_bytes: int = 0
-    restored_blocks: int = 0
-    restored_bytes: int = 0
-    evicted_blocks: int = 0
-    dropped_blocks: int = 0
-    integrity_failures: int = 0
-    # Restores that failed because a Drop(all_of_tenant) destroyed the blocks'
-    # keys while they ran (not integrity failures: nothing was tampered with).
-    restores_of_dropped: int = 0
-    key_scopes_destroyed: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Observer:
-    """Hooks for metrics/tracing; all optional, called outside locks."""
-
-    on_transfer: Callable[[str, int, int, float], None] | None = None  # dir, blocks, bytes, s
-    on_integrity_failure: Callable[[str, int], None] | None = None  # pool id, blocks
 
 
 class SealedCache:
@@ -187,61 +138,6 @@ class SealedCache:
         with self._counter_lock:
             for k, v in deltas.items():
                 setattr(self.counters, k, getattr(self.counters, k) + v)
-
-    # ---------------------------------------------------------------- validation
-
-    def _check_tenant(self, tenant: bytes) -> None:
-        if len(tenant) != TENANT_BYTES:
-            raise BadRequest(
-                f"tenant must be a {TENANT_BYTES}-byte digest of the cache salt, "
-                f"got {len(tenant)} bytes"
-            )
-
-    def _check_hashes(self, hashes: Sequence[bytes]) -> None:
-        if not hashes:
-            raise BadRequest("block_hashes is empty")
-        if len(hashes) > self.config.max_batch_blocks:
-            raise BadRequest(
-                f"{len(hashes)} blocks in one request "
-                f"(limit {self.config.max_batch_blocks}); split it"
-            )
-        for i, h in enumerate(hashes):
-            if len(h) != HASH_BYTES:
-                raise BadRequest(
-                    f"block_hashes[{i}] has {len(h)} bytes; hashes are {HASH_BYTES} bytes"
-                )
-        if len(set(hashes)) != len(hashes):
-            seen: set[bytes] = set()
-            for i, h in enumerate(hashes):
-                if h in seen:
-                    raise BadRequest(f"block_hashes[{i}] repeats an earlier hash in the request")
-                seen.add(h)
-
-    def _check_pages(self, pool: Pool, hashes: Sequence[bytes], pages: Sequence[int]) -> None:
-        if pool.observer:  # first: every transfer on an observer fails the same way
-            raise ObserverPoolTransfer(
-                f"pool {pool.pool_id!r} is an observer pool (no memory): Offload and Restore "
-                "go through the pool that registered the KV memory"
-            )
-        if len(pages) != len(hashes):
-            raise BadRequest(f"{len(hashes)} block_hashes but {len(pages)} page_ids")
-        for i, p in enumerate(pages):
-            if not 0 <= p < pool.num_pages:
-                raise PageOutOfRange(
-                    f"page_ids[{i}]={p} is out of range: "
-                    f"pool {pool.pool_id!r} has {pool.num_pages} pages"
-                )
-        if len(set(pages)) != len(pages):
-            seen: set[int] = set()
-            for i, p in enumerate(pages):
-                if p in seen:
-                    raise BadRequest(f"page_ids[{i}]={p} repeats an earlier page in the request")
-                seen.add(p)
-        total = len(pages) * pool.block_bytes
-        if total > self.config.max_batch_bytes:
-            raise BadRequest(
-                f"request moves {total} bytes (limit {self.config.max_batch_bytes}); split it"
-            )
 
     # ---------------------------------------------------------------- pools
 
@@ -338,6 +234,32 @@ class SealedCache:
         with self._holds_lock:
             return sum(self._holds.values())
 
+    def metrics_sample(self) -> telemetry.TierSample:
+        """The counters and gauges the metrics families export (this cache is
+        telemetry's ``MetricsSource``): read without the counter lock, as a
+        scrape always was (each value is one consistent int)."""
+        c = self.counters
+        ix = self.index.stats()
+        return telemetry.TierSample(
+            lookups=c.lookups,
+            lookup_blocks=c.lookup_blocks,
+            lookup_hit_blocks=c.lookup_hit_blocks,
+            offloaded_blocks=c.offloaded_blocks,
+            offloaded_bytes=c.offloaded_bytes,
+            restored_blocks=c.restored_blocks,
+            restored_bytes=c.restored_bytes,
+            evicted_blocks=c.evicted_blocks,
+            dropped_blocks=c.dropped_blocks,
+            integrity_failures=c.integrity_failures,
+            key_scopes_destroyed=c.key_scopes_destroyed,
+            restores_of_dropped=c.restores_of_dropped,
+            host_bytes_used=ix.used_bytes,
+            host_bytes_capacity=ix.capacity_bytes,
+            host_blocks=ix.ready,
+            registered_pools=len(self.pools),
+            pool_holds=self.open_holds,
+        )
+
     # ---------------------------------------------------------------- events
 
     def note_tenant(self, pool_id: str, tenant: bytes) -> None:
@@ -392,8 +314,8 @@ class SealedCache:
     def lookup(
         self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]
     ) -> tuple[int, list[State]]:
-        self._check_tenant(tenant)
-        self._check_hashes(hashes)
+        check_tenant(tenant)
+        check_hashes(hashes, self.config.max_batch_blocks)
         with self.pools.use(pool_id) as pool, telemetry.stage("lookup"):
             hit, states = self.index.lookup(pool.namespace, tenant, hashes)
         self._count(lookups=1, lookup_blocks=len(hashes), lookup_hit_blocks=hit)
@@ -404,8 +326,8 @@ class SealedCache:
 
     @_request
     def touch(self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]) -> int:
-        self._check_tenant(tenant)
-        self._check_hashes(hashes)
+        check_tenant(tenant)
+        check_hashes(hashes, self.config.max_batch_blocks)
         with self.pools.use(pool_id) as pool:
             return self.index.touch(pool.namespace, tenant, hashes)
 
@@ -424,15 +346,15 @@ class SealedCache:
         ``kvseal.server.deadline``): no page is read once it has passed, and
         the sealed blocks are published only while the commit window is open;
         on any failure nothing read for this request is published."""
-        self._check_tenant(tenant)
-        self._check_hashes(hashes)
+        check_tenant(tenant)
+        check_hashes(hashes, self.config.max_batch_blocks)
         if parent_hash is not None and len(parent_hash) != HASH_BYTES:
             raise BadRequest(
                 f"parent_hash has {len(parent_hash)} bytes; hashes are {HASH_BYTES} bytes"
             )
-        self._check_event(wait_event)
+        check_event(wait_event, self.backend.kind)
         with self.pools.use(pool_id) as pool:
-            self._check_pages(pool, hashes, pages)
+            check_pages(pool, hashes, pages, self.config.max_batch_bytes)
             ns, size = pool.namespace, pool.block_bytes
             # What can fail before sealing fails before anything is reserved.
             deadline.check("the first page")
@@ -508,11 +430,11 @@ class SealedCache:
         the engine contract (``kvseal.server.deadline``): the writes start only
         before the cutoff, and no page is written once a failure can have
         reached the engine."""
-        self._check_tenant(tenant)
-        self._check_hashes(hashes)
-        self._check_event(wait_event)
+        check_tenant(tenant)
+        check_hashes(hashes, self.config.max_batch_blocks)
+        check_event(wait_event, self.backend.kind)
         with self.pools.use(pool_id) as pool:
-            self._check_pages(pool, hashes, pages)
+            check_pages(pool, hashes, pages, self.config.max_batch_bytes)
             deadline.check("the first page")
             ns = pool.namespace
             telemetry.annotate(
@@ -614,11 +536,11 @@ class SealedCache:
         already begun writing pages, in which case it completed before the drop
         (see ``BlockSealer.require_live``). Device key copies are wiped before
         this returns (the CUDA backend may first finish a request in flight)."""
-        self._check_tenant(tenant)
+        check_tenant(tenant)
         if all_of_tenant and hashes:
             raise BadRequest("give either block_hashes or all_of_tenant, not both")
         if not all_of_tenant:
-            self._check_hashes(hashes)
+            check_hashes(hashes, self.config.max_batch_blocks)
         destroyed = 0
         with self.pools.use(pool_id) as pool:
             if all_of_tenant:
@@ -635,15 +557,6 @@ class SealedCache:
             )
         self._count(dropped_blocks=len(removed), key_scopes_destroyed=1 if destroyed else 0)
         return len(removed)
-
-    def _check_event(self, wait_event: bytes | None) -> None:
-        """Validated before anything is reserved: a rejected request changes nothing."""
-        if not wait_event:
-            return
-        if self.backend.kind != "cuda":
-            raise BadRequest("cuda_event_ipc_handle is only meaningful on the CUDA backend")
-        if len(wait_event) != 64:
-            raise BadRequest(f"cuda_event_ipc_handle must be 64 bytes, got {len(wait_event)}")
 
     def close(self, timeout: float = 30.0) -> bool:
         """Stop serving, wait up to ``timeout`` seconds for requests in flight,

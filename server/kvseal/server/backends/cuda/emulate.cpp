@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // CPU emulation of the kvseal kernels, built with g++ into a shared library and
-// driven from Python (kvseal.server.cuda.emulated) through the C ABI below.
+// driven from Python (kvseal.server.backends.cuda.emulated) through the C ABI below.
 //
 // It includes the very headers the GPU kernels use and runs the whole grid on one
 // host thread: for every CTA, each phase is run for all its threads before the

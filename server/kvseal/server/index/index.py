@@ -37,130 +37,31 @@ descendants, so the index never keeps orphaned descendants. A doomed leaf
 still counts as its parent's child until its store settles (the parent is not
 a leaf yet: the victim may be reinstated under it).
 
-Cost. Recency is a stamp from a clock. The evictable leaves (READY,
-visible, unpinned, childless) are tracked eagerly, at every transition, in
-one of two structures: an ordered dict for leaves that became evictable with
-the newest stamp (published, touched, restored: the common case, O(1) in and
-out, no stale entries), and a binary heap keyed by stamp for leaves that
-became evictable at an *older* stamp (a parent whose last child left, a
-reinstated victim). Heap items are invalidated lazily (an item is current
-while its sequence number is the entry's ``heaped``), and the heap is rebuilt
-when stale items outnumber current ones (amortised O(1) per push). Planning
-an eviction merges the two in stamp order and looks at O(victims +
-protected + stale heap items) entries, each O(1) or O(log N): independent
-of how many blocks the tier holds, and touches never leave stale items.
+Cost: see ``leaves`` (which leaves to evict, in O(victims) per plan) and
+``extents`` (the byte ranges a failed store may have overwritten).
 """
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import itertools
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
 
-from kvseal.server.errors import BlockNotPresent, CapacityExhausted
-from kvseal.server.hostregion import Extent, ExtentAllocator, align_up
+from kvseal.server.errors import BlockNotPresent
+from kvseal.server.hostregion import Extent, ExtentAllocator
+from kvseal.server.index.entry import (
+    BlockKey,
+    Entry,
+    Eviction,
+    IndexStats,
+    Removal,
+    State,
+    StoreOutcome,
+    StorePlan,
+)
+from kvseal.server.index.extents import overlapping, subtract
+from kvseal.server.index.leaves import UNTRACKED, EvictableLeaves
 from kvseal.server.sealing import SealRecord
-
-BlockKey = tuple[bytes, bytes, bytes]  # (namespace, tenant, block hash)
-
-
-class State(Enum):
-    ABSENT = 1
-    PENDING = 2
-    READY = 3
-
-
-class StoreOutcome(Enum):
-    STORED = 1
-    ALREADY_PRESENT = 2
-    IN_PROGRESS = 3
-
-
-class Removal(Enum):
-    EVICTED = 1
-    DROPPED = 2
-    RELEASED = 3
-    INTEGRITY = 4
-
-
-@dataclass(eq=False, slots=True)
-class Entry:
-    key: BlockKey
-    extent: Extent
-    size: int  # ciphertext bytes (== plaintext bytes)
-    generation: int
-    state: State = State.PENDING
-    record: SealRecord | None = None
-    parent: Entry | None = None
-    children: set[Entry] = field(default_factory=set)
-    pins: int = 0
-    removed: bool = False
-    # Recency stamp (larger = more recently used); meaningful while READY.
-    last_use: int = 0
-    # Where the eviction planner finds it: _UNTRACKED, _ORDERED or _HEAP, and the
-    # sequence number of its current heap item (0: none).
-    tracked: int = 0
-    heaped: int = 0
-    # Set while the entry is an eviction victim of a store that has not settled.
-    doomed_by: _Eviction | None = None
-    # A doomed entry that must leave even if its store is aborted (dropped, or
-    # an ancestor failed meanwhile), and the reason to announce then.
-    doom_removal: Removal | None = None
-    # New entries of a plan that evicted: the eviction their completion settles.
-    eviction: _Eviction | None = None
-
-    @property
-    def block_hash(self) -> bytes:
-        return self.key[2]
-
-    @property
-    def visible(self) -> bool:
-        """READY and not doomed: what lookup/restore/touch can see."""
-        return self.state is State.READY and self.doomed_by is None and not self.removed
-
-
-@dataclass(eq=False, slots=True)
-class _Eviction:
-    """The victims one store doomed, and the bytes held for them."""
-
-    victims: list[Entry]  # in the order they were chosen (LRU leaves first)
-    new: list[Entry]  # the plan's new entries
-    holds: list[Extent]  # victims' bytes no new block was placed in (kept allocated)
-    settled: bool = False
-
-
-@dataclass(slots=True)
-class StorePlan:
-    """Result of :meth:`Index.begin_store`. The caller seals ``new`` entries
-    and then settles the plan exactly once: :meth:`Index.complete_store`
-    with ``new`` and one record (or None) each, or :meth:`Index.abort_store`.
-
-    ``evicted`` are the victims the plan *doomed* to make room: they leave
-    for good when the store completes with every record; an aborted store
-    removes only those whose bytes may have been written."""
-
-    outcomes: list[StoreOutcome]
-    new: list[Entry]  # PENDING, in request order, parallel to new_positions
-    new_positions: list[int]  # index into the request's hashes
-    evicted: list[Entry]
-
-
-@dataclass(slots=True)
-class IndexStats:
-    ready: int
-    pending: int
-    pinned: int
-    used_bytes: int
-    capacity_bytes: int
-
-
-_HeapItem = tuple[int, int, Entry]  # (last_use stamp, sequence number, entry)
-_UNTRACKED, _ORDERED, _HEAP = 0, 1, 2
 
 
 class Index:
@@ -180,20 +81,17 @@ class Index:
         self._alloc = ExtentAllocator(capacity)
         self._map: dict[BlockKey, Entry] = {}
         self._ready: dict[BlockKey, Entry] = {}  # visible READY entries (any order)
-        # Evictable leaves: those that became so with the newest stamp, in stamp
-        # order; and the others, in a heap by stamp (stale items invalidated lazily).
-        self._leaves: OrderedDict[BlockKey, Entry] = OrderedDict()
-        self._last_appended = 0  # stamp of the newest leaf ever appended to _leaves
-        self._heap: list[_HeapItem] = []
-        self._heap_live = 0  # current items in _heap
+        self._leaves = EvictableLeaves()  # eviction candidates, in recency order
         self._clock = 0  # recency stamps
-        self._seq = itertools.count(1)  # heap item identities (never reused)
-        self._evictions: set[_Eviction] = set()  # not settled yet
+        self._evictions: set[Eviction] = set()  # not settled yet
         self._generation = 0
         self._on_free = on_free
         self._on_event = on_event
-        # Instrumentation (tests, benchmark): heap items eviction planning looked at.
-        self.examined = 0
+
+    @property
+    def examined(self) -> int:
+        """Instrumentation (tests, benchmark): candidates eviction planning looked at."""
+        return self._leaves.examined
 
     def _announce(self, kind: str, reason: Removal | None, entries: list[Entry]) -> None:
         """Report READY entries (caller holds the lock; must not block)."""
@@ -276,7 +174,7 @@ class Index:
             parent0 = self._map.get((ns, tenant, parent_hash)) if parent_hash else None
             if parent0 is not None:
                 protected.add(id(parent0))
-            victims = self._plan_eviction(len(new_positions), size, protected)
+            victims = self._leaves.plan(self._alloc, len(new_positions), size, protected)
             # The victims' bytes are free in the allocator now; place the new blocks.
             new: list[Entry] = []
             for pos in new_positions:
@@ -290,10 +188,10 @@ class Index:
             if victims:
                 # Hold what the new blocks did not take, so that no other store
                 # is placed over a victim that an abort may reinstate.
-                holds = _subtract([v.extent for v in victims], [e.extent for e in new])
+                holds = subtract([v.extent for v in victims], [e.extent for e in new])
                 for x in holds:
                     self._alloc.reserve(x)
-                ev = _Eviction(victims, new, holds)
+                ev = Eviction(victims, new, holds)
                 self._evictions.add(ev)
                 for v in victims:
                     self._untrack(v)  # a chosen heap item was popped: it is gone
@@ -317,90 +215,6 @@ class Index:
                 if outcomes[i] is StoreOutcome.ALREADY_PRESENT:
                     self._use(self._map[(ns, tenant, h)])
             return StorePlan(outcomes, new, new_positions, victims)
-
-    def _plan_eviction(self, n: int, size: int, protected: set[int]) -> list[Entry]:
-        """Choose LRU leaves so that ``n`` blocks of ``size`` bytes fit, and
-        free their extents in the allocator. On CapacityExhausted nothing has
-        changed (the extents are reserved again, the heap items put back).
-
-        The choice is the old definition, exactly: repeatedly the least
-        recently used entry that is visible READY, unpinned, not
-        ``protected`` and has no children other than victims already chosen.
-        Candidates come, in stamp order, from the ordered leaves, the heap of
-        older leaves, and a local heap of parents whose last child was just
-        chosen (each such parent enters at its own recency)."""
-        if n == 0:
-            return []
-        need = align_up(size)
-        if need > self._alloc.capacity:
-            raise CapacityExhausted(
-                f"a block of {size} bytes is larger than the host tier "
-                f"({self._alloc.capacity} bytes)"
-            )
-        if self._alloc.fits(need) >= n:
-            return []
-        victims: list[Entry] = []
-        chosen: set[int] = set()
-        gone: dict[int, int] = {}  # id(parent) -> children chosen so far
-        local: list[_HeapItem] = []
-        put_back: list[_HeapItem] = []  # heap items of chosen victims (restored on failure)
-        aside: list[_HeapItem] = []  # heap items skipped (always restored)
-        heap = self._heap
-        ordered = iter(self._leaves.values())  # not changed while planning
-        head = next(ordered, None)
-
-        def leaf_now(e: Entry) -> bool:
-            return e.visible and e.pins == 0 and len(e.children) == gone.get(id(e), 0)
-
-        while self._alloc.fits(need) < n:
-            cand: Entry | None = None
-            while cand is None and (head is not None or heap or local):
-                # The oldest of the three sources (stamps are unique).
-                src, best = 0, head.last_use if head is not None else None
-                if heap and (best is None or heap[0][0] < best):
-                    src, best = 1, heap[0][0]
-                if local and (best is None or local[0][0] < best):
-                    src = 2
-                self.examined += 1
-                if src == 0:
-                    assert head is not None
-                    e, head = head, next(ordered, None)
-                    if id(e) not in protected and leaf_now(e):
-                        cand = e
-                elif src == 1:
-                    item = heapq.heappop(heap)
-                    e = item[2]
-                    if item[1] != e.heaped:
-                        continue  # stale (touched, pinned, gained a child, or gone since)
-                    if id(e) in protected or not leaf_now(e):
-                        aside.append(item)
-                        continue
-                    put_back.append(item)
-                    cand = e
-                else:
-                    _, _, e = heapq.heappop(local)
-                    if id(e) not in chosen and id(e) not in protected and leaf_now(e):
-                        cand = e
-            if cand is None:
-                for v in reversed(victims):
-                    self._alloc.reserve(v.extent)
-                for item in put_back + aside:
-                    heapq.heappush(heap, item)
-                raise CapacityExhausted(
-                    f"host tier full: {n} new block(s) of {size} bytes do not fit "
-                    f"and every other block is pinned, pending, or part of this request"
-                )
-            victims.append(cand)
-            chosen.add(id(cand))
-            self._alloc.free(cand.extent)
-            p = cand.parent
-            if p is not None:
-                g = gone[id(p)] = gone.get(id(p), 0) + 1
-                if g == len(p.children):
-                    heapq.heappush(local, (p.last_use, next(self._seq), p))
-        for item in aside:
-            heapq.heappush(heap, item)
-        return victims
 
     def complete_store(
         self, entries: Sequence[Entry], records: Sequence[SealRecord | None]
@@ -495,7 +309,7 @@ class Index:
             self._announce("REMOVED", Removal.DROPPED, cascaded)
             return [v for v, _ in gone], cascaded
 
-    def _settle(self, ev: _Eviction, written: list[Extent] | None) -> list[tuple[Entry, Removal]]:
+    def _settle(self, ev: Eviction, written: list[Extent] | None) -> list[tuple[Entry, Removal]]:
         """End a plan's eviction (lock held). ``written`` None: success, every
         victim leaves. Otherwise victims overlapping a ``written`` extent (or
         marked to go, or below one that goes) leave; the rest are reinstated.
@@ -507,7 +321,7 @@ class Index:
             self._alloc.free(x)
         ev.holds = []
         going: dict[int, Removal] = {}
-        hit = _overlapping([v.extent for v in ev.victims], written or [])
+        hit = overlapping([v.extent for v in ev.victims], written or [])
         # Parents are chosen after their children: walk back so that a
         # parent's fate is known before its children's.
         for v, overwritten in zip(reversed(ev.victims), reversed(hit), strict=True):
@@ -625,36 +439,13 @@ class Index:
     def _untrack(self, e: Entry) -> None:
         """Forget ``e`` as an eviction candidate (it stops being an evictable
         leaf, or its stamp changes). O(1)."""
-        if e.tracked == _ORDERED:
-            del self._leaves[e.key]
-        elif e.tracked == _HEAP:
-            e.heaped = 0  # its item is stale from now on
-            self._heap_live -= 1
-        e.tracked = _UNTRACKED
+        self._leaves.untrack(e)
 
     def _consider(self, e: Entry) -> None:
         """Track ``e`` if it is an evictable leaf and not tracked yet. Called
-        at every transition that can make it one. O(1), or O(log N) for a
-        leaf at an older stamp than the newest one tracked in order."""
-        if e.tracked != _UNTRACKED or not self._evictable(e):
-            return
-        if e.last_use > self._last_appended:
-            self._leaves[e.key] = e
-            self._last_appended = e.last_use
-            e.tracked = _ORDERED
-            return
-        e.heaped = next(self._seq)
-        e.tracked = _HEAP
-        self._heap_live += 1
-        heapq.heappush(self._heap, (e.last_use, e.heaped, e))
-        if len(self._heap) > 2 * self._heap_live + 64:
-            self._compact()
-
-    def _compact(self) -> None:
-        """Drop stale heap items (more than half): O(heap), amortised O(1)
-        per push."""
-        self._heap = [item for item in self._heap if item[1] == item[2].heaped]
-        heapq.heapify(self._heap)
+        at every transition that can make it one."""
+        if e.tracked == UNTRACKED and self._evictable(e):
+            self._leaves.track(e)
 
     def _remove(
         self,
@@ -735,22 +526,7 @@ class Index:
             if len(set(stamps)) != len(stamps) or any(s <= 0 for s in stamps):
                 raise AssertionError("recency stamps are not distinct")
             # Every evictable leaf is tracked exactly once, and nothing else is.
-            current = {item[1]: item for item in self._heap if item[1] == item[2].heaped}
-            if len(current) != self._heap_live:
-                raise AssertionError("heap live count")
-            order = [e.last_use for e in self._leaves.values()]
-            if order != sorted(order) or (order and order[-1] > self._last_appended):
-                raise AssertionError("ordered leaves out of stamp order")
-            for k, e in self._leaves.items():
-                if e.key != k or e.tracked != _ORDERED or not self._evictable(e):
-                    raise AssertionError("ordered leaf is not an evictable leaf")
-            for item in current.values():
-                e = item[2]
-                if e.tracked != _HEAP or item[0] != e.last_use or not self._evictable(e):
-                    raise AssertionError("heap item is not a current evictable leaf")
-            for e in live:
-                if self._evictable(e) and e.tracked == _UNTRACKED:
-                    raise AssertionError("evictable leaf not tracked")
+            self._leaves.check(live, self._evictable)
             # Slots: visible/pending holders, new entries of open plans (even if
             # dropped meanwhile: still being written) and holds never overlap;
             # a doomed victim's bytes are covered by its plan's slots and holds.
@@ -765,7 +541,7 @@ class Index:
                 spans.extend(ev.holds)
                 cover = [e.extent for e in ev.new if e.extent.size] + list(ev.holds)
                 for v in ev.victims:
-                    if v.doomed_by is not ev or _subtract([v.extent], cover):
+                    if v.doomed_by is not ev or subtract([v.extent], cover):
                         raise AssertionError("doomed victim's bytes not held by its plan")
             spans.extend(holders.values())
             if sum(x.size for x in spans) > self._alloc.used:
@@ -776,40 +552,3 @@ class Index:
             for (o1, s1), (o2, _) in itertools.pairwise(ordered):
                 if o1 + s1 > o2:
                     raise AssertionError("overlapping slots")
-
-
-def _overlapping(pieces: list[Extent], taken: list[Extent]) -> list[bool]:
-    """For each of ``pieces``: whether it shares a byte with one of ``taken``
-    (disjoint). O((P + T) log T)."""
-    cuts = sorted((t.offset, t.offset + t.size) for t in taken if t.size)
-    starts = [a for a, _ in cuts]
-    out = []
-    for p in pieces:
-        # The last cut starting before the piece ends is the only candidate
-        # that can reach into it (cuts are disjoint, so ends are sorted too).
-        i = bisect.bisect_left(starts, p.offset + p.size) - 1
-        out.append(p.size > 0 and i >= 0 and cuts[i][1] > p.offset)
-    return out
-
-
-def _subtract(pieces: list[Extent], taken: list[Extent]) -> list[Extent]:
-    """The parts of ``pieces`` (disjoint) not covered by ``taken`` (disjoint).
-    O((P + T) log T)."""
-    cuts = sorted((t.offset, t.offset + t.size) for t in taken if t.size)
-    starts = [a for a, _ in cuts]
-    out: list[Extent] = []
-    for p in pieces:
-        lo, hi = p.offset, p.offset + p.size
-        i = max(bisect.bisect_right(starts, lo) - 1, 0)
-        while lo < hi and i < len(cuts):
-            a, b = cuts[i]
-            if a >= hi:
-                break
-            if b > lo:
-                if a > lo:
-                    out.append(Extent(lo, a - lo))
-                lo = max(lo, b)
-            i += 1
-        if lo < hi:
-            out.append(Extent(lo, hi - lo))
-    return out

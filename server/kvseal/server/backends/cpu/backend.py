@@ -30,112 +30,23 @@ import stat
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from kvseal.server import telemetry
+from kvseal.server.backends.base import BlockIO, Region, note_written
 from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import BadRequest, HandleUnusable, ShuttingDown
-from kvseal.server.hostregion import Extent, HostRegion
+from kvseal.server.hostregion import HostRegion
 from kvseal.server.pools import BufferMemory, MappedPool, PoolSpec, check_disjoint
 from kvseal.server.sealing import (
     TAG_BYTES,
     AuthenticationFailed,
-    BlockAD,
     BlockSealer,
     SealRecord,
 )
 
 T = TypeVar("T")
 SHM_DIR = "/dev/shm"  # noqa: S108 - POSIX shm objects live here on Linux
-
-
-_WRITTEN_ATTR = "kvseal_written_blocks"
-
-
-def note_written(exc: BaseException, blocks: set[int]) -> None:
-    """Record on a ``seal_blocks`` failure which blocks (indices into its
-    ``blocks``) may have had bytes written to their extents; the cache
-    reinstates eviction victims that no such write can have touched."""
-    prior: set[int] = getattr(exc, _WRITTEN_ATTR, set())
-    setattr(exc, _WRITTEN_ATTR, prior | blocks)
-
-
-def written_positions(exc: BaseException, n: int) -> set[int]:
-    """The blocks a failed ``seal_blocks`` may have written: what the backend
-    noted, else (it could not tell) all ``n``."""
-    noted: set[int] | None = getattr(exc, _WRITTEN_ATTR, None)
-    return set(range(n)) if noted is None else noted
-
-
-@dataclass(frozen=True, slots=True)
-class BlockIO:
-    """One block of a batch: where it lives in the pool and in the region."""
-
-    page: int
-    extent: Extent
-    ad: BlockAD
-    size: int
-
-
-class Region(Protocol):
-    """The host region as the cache and the stats see it. ``HostRegion`` is
-    the CPU backend's; the CUDA backend brings pinned host memory of its own
-    with the same surface (and the same rule: only ciphertext goes in)."""
-
-    capacity: int
-    description: str
-
-    def write(self, offset: int, data: memoryview) -> None: ...
-
-    def read_into(self, offset: int, out: memoryview) -> int: ...
-
-    def close(self) -> None: ...
-
-
-class Backend(Protocol):
-    """See the module docstring for the contract of each method.
-
-    ``wait_event`` is the engine's CUDA IPC event handle (CUDA backend only):
-    the backend must wait on it before touching the pool's pages.
-    """
-
-    kind: str  # "cpu" | "cuda"
-    detail: str
-    # Set when the daemon stops serving (shutdown, integrity abort): a request
-    # in flight must not write to an engine pool after it is set.
-    stopping: threading.Event
-
-    def make_region(self, capacity: int, path: str | None) -> Region: ...
-
-    def map_pool(self, spec: PoolSpec) -> MappedPool: ...
-
-    def seal_blocks(
-        self,
-        pool: MappedPool,
-        blocks: Sequence[BlockIO],
-        region: Region,
-        wait_event: bytes | None = None,
-        deadline: Deadline = NO_DEADLINE,
-    ) -> list[SealRecord]: ...
-
-    def open_blocks(
-        self,
-        pool: MappedPool,
-        blocks: Sequence[BlockIO],
-        records: Sequence[SealRecord],
-        region: Region,
-        wait_event: bytes | None = None,
-        deadline: Deadline = NO_DEADLINE,
-    ) -> list[int]: ...
-
-    def retire_keys(self) -> None:
-        """Wipe every copy the backend holds of keys the sealer destroyed (a
-        crypto-erasing drop): called right after ``BlockSealer.destroy_scope``.
-        May wait for a request in flight; never raises."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class CpuMappedPool:

@@ -28,12 +28,9 @@ import mmap
 import os
 import stat
 import threading
-from typing import TYPE_CHECKING
 
+from kvseal.server.backends.cuda.device import Device
 from kvseal.server.hostregion import RegionError
-
-if TYPE_CHECKING:
-    from kvseal.server.cuda.backend import Device
 
 log = logging.getLogger("kvseal.cuda")
 

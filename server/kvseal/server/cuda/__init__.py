@@ -1,2 +1,0 @@
-"""GPU data path of kvseal: AES-256-GCM seal/verify/open kernels, their CPU emulation
-(:mod:`kvseal.server.cuda.emulated`) and NVRTC compilation (:mod:`kvseal.server.cuda.compile`)."""

@@ -1,0 +1,159 @@
+"""The daemon's command line: every flag, and its ``KVSEAL_*`` variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from kvseal.server.config import IntegrityPolicy, ServerConfig, default_socket_path, parse_size
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvseal-server",
+        description=(
+            "kvseal: a sealed (AES-256-GCM) host-memory KV-cache tier for one GPU. "
+            "Every flag can also be set with the KVSEAL_* variable shown."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--listen",
+        default=_env("KVSEAL_LISTEN", "unix://" + default_socket_path()),
+        help="unix:///path/to.sock, or tcp://host:port with mutual TLS [KVSEAL_LISTEN]",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "cpu", "cuda"),
+        default=_env("KVSEAL_BACKEND", "auto"),
+        help="where blocks are sealed; auto picks cuda when a GPU is usable [KVSEAL_BACKEND]",
+    )
+    p.add_argument(
+        "--device",
+        type=int,
+        default=int(_env("KVSEAL_DEVICE", "0") or 0),
+        help="GPU ordinal for the cuda backend [KVSEAL_DEVICE]",
+    )
+    p.add_argument(
+        "--host-bytes",
+        default=_env("KVSEAL_HOST_BYTES", "4GiB"),
+        help="capacity of the sealed host tier, e.g. 512MiB, 64GiB [KVSEAL_HOST_BYTES]",
+    )
+    p.add_argument(
+        "--host-region",
+        default=_env("KVSEAL_HOST_REGION"),
+        help="back the ciphertext region with this file (mode 0600, e.g. under /dev/shm) "
+        "instead of anonymous memory [KVSEAL_HOST_REGION]",
+    )
+    p.add_argument(
+        "--on-integrity-failure",
+        choices=("abort", "drop"),
+        default=_env("KVSEAL_ON_INTEGRITY_FAILURE", "abort"),
+        help="abort: fail the request, stop serving, exit 3. drop: fail the request with "
+        "DATA_LOSS, evict the blocks, keep serving [KVSEAL_ON_INTEGRITY_FAILURE]",
+    )
+    p.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        default=None,
+        help="peer uid allowed on the Unix socket (repeatable; default: the daemon's own "
+        "uid). Checked with SO_PEERCRED on every connection; with uids other than the "
+        "daemon's own the socket is 0666 (the check is the gate) unless --socket-group "
+        "narrows it [KVSEAL_ALLOW_UIDS=uid,uid]",
+    )
+    p.add_argument(
+        "--socket-group",
+        default=_env("KVSEAL_SOCKET_GROUP"),
+        help="group (name or gid) whose members may open the Unix socket: socket 0660 "
+        "in that group; the allowed uids must be members [KVSEAL_SOCKET_GROUP]",
+    )
+    p.add_argument(
+        "--tls-cert", default=_env("KVSEAL_TLS_CERT"), help="server certificate (PEM), tcp:// only"
+    )
+    p.add_argument(
+        "--tls-key", default=_env("KVSEAL_TLS_KEY"), help="server key (PEM), tcp:// only"
+    )
+    p.add_argument(
+        "--tls-client-ca",
+        default=_env("KVSEAL_TLS_CLIENT_CA"),
+        help="CA that signs client certificates (PEM); clients must present one",
+    )
+    p.add_argument(
+        "--metrics-address",
+        default=_env("KVSEAL_METRICS_ADDRESS"),
+        help="serve Prometheus /metrics on HOST:PORT (off by default) [KVSEAL_METRICS_ADDRESS]",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=int(_env("KVSEAL_WORKERS", "0") or 0),
+        help="CPU sealing threads (0: min(4, cores)) [KVSEAL_WORKERS]",
+    )
+    p.add_argument("--max-batch-blocks", type=int, default=4096, help="blocks per request limit")
+    p.add_argument("--max-batch-bytes", default="2GiB", help="bytes per request limit")
+    p.add_argument(
+        "--rekey-after",
+        type=int,
+        default=2**32,
+        help="seals under one key before a new key epoch starts (NIST SP 800-38D margin)",
+    )
+    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain RPCs on SIGTERM")
+    p.add_argument(
+        "--max-holds",
+        type=int,
+        default=int(_env("KVSEAL_MAX_HOLDS", "8") or 8),
+        help="open HoldPool streams at most (one per engine process is typical) [KVSEAL_MAX_HOLDS]",
+    )
+    p.add_argument(
+        "--engine-event-timeout",
+        type=float,
+        default=float(_env("KVSEAL_ENGINE_EVENT_TIMEOUT", "30") or 30),
+        help="cuda: seconds a request waits for the engine's CUDA event before failing "
+        "with DEADLINE_EXCEEDED; nothing is read or written then [KVSEAL_ENGINE_EVENT_TIMEOUT]",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=_env("KVSEAL_LOG_FORMAT", "text"),
+        help="[KVSEAL_LOG_FORMAT]",
+    )
+    p.add_argument(
+        "--log-level", default=_env("KVSEAL_LOG_LEVEL", "INFO"), help="[KVSEAL_LOG_LEVEL]"
+    )
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
+    args = build_parser().parse_args(argv)
+    uids: tuple[int, ...] = tuple(args.allow_uid or ())
+    if not uids and os.environ.get("KVSEAL_ALLOW_UIDS"):
+        uids = tuple(int(u) for u in os.environ["KVSEAL_ALLOW_UIDS"].split(",") if u.strip())
+    return ServerConfig(
+        listen=args.listen,
+        backend=args.backend,
+        device=args.device,
+        host_bytes=parse_size(args.host_bytes),
+        host_region=args.host_region,
+        integrity_policy=IntegrityPolicy(args.on_integrity_failure),
+        allow_uids=uids,
+        socket_group=args.socket_group,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        metrics_address=args.metrics_address,
+        workers=args.workers,
+        max_batch_blocks=args.max_batch_blocks,
+        max_batch_bytes=parse_size(args.max_batch_bytes),
+        rekey_after=args.rekey_after,
+        grace_seconds=args.grace,
+        engine_event_timeout=args.engine_event_timeout,
+        max_holds=args.max_holds,
+        log_format=args.log_format,
+        log_level=args.log_level.upper(),
+    )
