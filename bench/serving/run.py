@@ -416,9 +416,9 @@ def plan(quick: bool) -> dict[str, Any]:
     llm-d working set (groups x prefix) 2.25x the engine KV, fits 0.4x."""
     p: dict[str, Any] = {
         "llmd": {"groups": 12, "per_group": 5, "prefix": 768, "question": 32, "out": 8,
-                 "passes": 3, "rates": [1.0, 2.0, 4.0, 8.0]},
+                 "passes": 2, "rates": [2.0, 4.0, 8.0]},
         "conv": {"convs": 12, "turns": 4, "sys": 512, "user": 64, "out": 16,
-                 "gaps": [0.0, 2.0, 8.0], "concurrency": 4},
+                 "gaps": [0.0, 2.0, 6.0], "concurrency": 4},
         "fits": {"groups": 2, "per_group": 10, "prefix": 768, "question": 32, "out": 8,
                  "passes": 4, "rate": 32.0},
     }  # fmt: skip
