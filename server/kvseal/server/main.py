@@ -50,7 +50,7 @@ from kvseal.server.config import (
     parse_size,
 )
 from kvseal.server.hostregion import RegionError
-from kvseal.server.peercred import PeerCredGate
+from kvseal.server.peercred import PeerCredGate, listen_owner_only
 from kvseal.server.service import KVSealServicer, add_to_server
 from kvseal.v1 import kvseal_pb2 as pb
 
@@ -296,17 +296,22 @@ def make_backend(cfg: ServerConfig, sealer: sealing.BlockSealer) -> Backend:
 
 @dataclass(frozen=True)
 class SocketAccess:
-    """Who may open the public socket file; the SO_PEERCRED gate then decides.
+    """Who may open the public socket file, and who then checks the peer.
 
     ``mode``: the socket's mode. ``gid``: its group (None: the daemon's).
     ``dir_search``: the search ("x") bit the socket directory needs so that the
     admitted uids can reach the socket and its lock file (0: none).
+    ``relay``: the SO_PEERCRED relay checks each peer against the allow list
+    (``kvseal.server.peercred.PeerCredGate``); False: gRPC listens on the socket
+    itself and the kernel's permission check on the 0600 socket is the check
+    (``kvseal.server.peercred.listen_owner_only``).
     """
 
     mode: int
     gid: int | None
     dir_search: int
     summary: str
+    relay: bool = True
 
 
 def socket_access(cfg: ServerConfig) -> SocketAccess:
@@ -316,7 +321,10 @@ def socket_access(cfg: ServerConfig) -> SocketAccess:
     - otherwise, uids other than the daemon's (and root, which passes any mode)
       in the allow list: 0666, the directory searchable by all: every local uid
       can connect, and the gate refuses (and logs) every uid not in the list;
-    - otherwise: 0600, as before (the daemon's uid only).
+    - otherwise: 0600. When the daemon's own uid is in the list (with root at
+      most), the kernel's check on a 0600 socket admits exactly that uid, and
+      root: gRPC listens there itself, no relay. Otherwise (e.g. only root
+      listed) the relay still refuses the daemon's own uid.
 
     Exits (status 2) when the group does not exist.
     """
@@ -342,6 +350,15 @@ def socket_access(cfg: ServerConfig) -> SocketAccess:
             0o001,
             f"mode 0666 for allowed uids {sorted(others)} (SO_PEERCRED admits only the allow "
             "list; --socket-group narrows who can connect at all)",
+        )
+    uid = os.geteuid()
+    if uid in cfg.effective_allow_uids:
+        return SocketAccess(
+            0o600,
+            None,
+            0,
+            f"mode 0600, owner-only: the kernel admits uid {uid} (and root); no relay",
+            relay=False,
         )
     return SocketAccess(0o600, None, 0, "mode 0600")
 
@@ -566,19 +583,25 @@ class Daemon:
         private_dir = None
         if cfg.unix_path is not None:
             assert access is not None
-            # gRPC's own socket lives in a fresh 0700 directory: only this uid
-            # can bypass the gate, and the gate admits only allowed uids.
-            private_dir = _private_dir(os.path.dirname(cfg.unix_path) or ".", private)
-            internal = os.path.join(private_dir, "grpc.sock")
-            log.info("internal gRPC socket: %s (reachable by uid %d only)", internal, os.geteuid())
-            server.add_insecure_port("unix://" + internal)
-            gate = PeerCredGate(
-                cfg.unix_path,
-                internal,
-                cfg.effective_allow_uids,
-                mode=access.mode,
-                gid=access.gid,
-            )
+            if not access.relay:
+                # Owner-only: no hop; the kernel checks every connect (see peercred).
+                listen_owner_only(server, cfg.unix_path)
+            else:
+                # gRPC's own socket lives in a fresh 0700 directory: only this uid
+                # can bypass the gate, and the gate admits only allowed uids.
+                private_dir = _private_dir(os.path.dirname(cfg.unix_path) or ".", private)
+                internal = os.path.join(private_dir, "grpc.sock")
+                log.info(
+                    "internal gRPC socket: %s (reachable by uid %d only)", internal, os.geteuid()
+                )
+                server.add_insecure_port("unix://" + internal)
+                gate = PeerCredGate(
+                    cfg.unix_path,
+                    internal,
+                    cfg.effective_allow_uids,
+                    mode=access.mode,
+                    gid=access.gid,
+                )
             log.info(
                 "socket %s: %s; allowed uids %s; lock file %s",
                 cfg.unix_path,
@@ -655,6 +678,9 @@ class Daemon:
         self.server.stop(self.cfg.grace_seconds).wait()  # refuse new RPCs, drain the rest
         if self.gate is not None:
             self.gate.stop()
+        elif self.cfg.unix_path is not None:  # gRPC's own socket (owner-only)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.cfg.unix_path)
         # grpc's stop() does not wait for handler threads: the cache does,
         # before it unmaps anything a handler may still copy into.
         if not self.cache.close(timeout=max(5.0, self.cfg.grace_seconds)):
