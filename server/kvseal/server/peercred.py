@@ -85,18 +85,21 @@ def listen_owner_only(server: grpc.Server, path: str) -> None:
 
 class _End:
     """One side of a relayed connection: its socket, the bytes read from the other
-    side that wait to be written to it, and the other side (None once that is
-    closed). While bytes wait for one side, the other is not read, so each
-    direction holds at most one read (``_CHUNK``)."""
+    side that wait to be written to it, and whether it has sent its EOF (``eof``:
+    nothing more to read from it) and been sent ours (``shut``). While bytes
+    wait for one side the other is not read, so each direction holds at most one
+    read (``_CHUNK``)."""
 
-    __slots__ = ("fd", "mask", "peer", "pending", "sock")
+    __slots__ = ("eof", "fd", "mask", "peer", "pending", "shut", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.fd = sock.fileno()
-        self.peer: _End | None = None
+        self.peer: _End = self
         self.pending = b""
-        self.mask = _IN  # the epoll interest registered for it
+        self.eof = False
+        self.shut = False
+        self.mask = _IN  # the epoll interest registered for it (0: not registered)
 
 
 class PeerCredGate:
@@ -247,7 +250,7 @@ class PeerCredGate:
             if self._waiting:
                 self._retry_waiting()
         for end in list(ends.values()):
-            self._close(end)
+            self._close(end)  # both sides of each connection
         for sock, _ in self._waiting:
             sock.close()
         self._waiting.clear()
@@ -329,19 +332,23 @@ class PeerCredGate:
             self._connect_upstream(conn, give_up_at)
 
     def _pump(self, src: _End, buf: bytearray, view: memoryview) -> None:
-        """Move what ``src`` has to its peer; on EOF or an error end the pair."""
+        """Move what ``src`` has to its peer. Its EOF is passed on (a half-close,
+        once the bytes before it are written); an error closes both sides."""
         dst = src.peer
-        if dst is None:  # its peer is gone: nothing left to relay from it
-            self._close_one(src)
+        if src.eof:  # only a hang-up can report it now: nothing left to read
             return
         try:
             n = src.sock.recv_into(buf)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            n = 0
+            self._close(src)
+            return
         if n == 0:
-            self._end_pair(src)
+            src.eof = True
+            self._update(src)
+            if not dst.pending:
+                self._shut(dst)
             return
         if dst.pending:
             # Only after a hang-up or an error (src is not read while dst has bytes
@@ -373,46 +380,44 @@ class PeerCredGate:
         dst.pending = dst.pending[sent:]
         if dst.pending:
             return
-        if dst.peer is None:  # the other side closed: what it sent is delivered
-            self._close_one(dst)
-            return
         self._update(dst)
         self._update(dst.peer)
+        if dst.peer.eof:  # the other side had finished: pass its EOF on
+            self._shut(dst)
 
-    def _end_pair(self, src: _End) -> None:
-        """``src`` closed or failed: close it, and its peer once the bytes read
-        for the peer are written."""
-        dst = src.peer
-        self._close_one(src)
-        if dst is None:
-            return
-        dst.peer = None
-        if dst.pending:
-            self._update(dst)  # write only; _flush closes it when done
-        else:
-            self._close_one(dst)
+    def _shut(self, end: _End) -> None:
+        """Tell ``end`` that its peer will send no more; close the pair once both
+        directions have ended."""
+        with contextlib.suppress(OSError):  # it may be gone already
+            end.sock.shutdown(socket.SHUT_WR)
+        end.shut = True
+        if end.peer.shut:
+            self._close(end)
 
     def _close(self, end: _End) -> None:
         """Close ``end`` and its peer now."""
-        peer = end.peer
-        self._close_one(end)
-        if peer is not None:
-            self._close_one(peer)
-
-    def _close_one(self, end: _End) -> None:
-        if self._ends.pop(end.fd, None) is None:
-            return
-        assert self._epoll is not None
-        with contextlib.suppress(OSError):
-            self._epoll.unregister(end.fd)
-        end.sock.close()
+        for e in (end, end.peer):
+            if self._ends.pop(e.fd, None) is not None:
+                self._set_interest(e, 0)
+                e.sock.close()
 
     def _update(self, end: _End) -> None:
-        """Register the interest ``end``'s state calls for: read it while its peer
-        has nothing waiting, write it while it has."""
-        peer = end.peer
-        mask = (_IN if peer is not None and not peer.pending else 0) | (_OUT if end.pending else 0)
-        if mask != end.mask and end.fd in self._ends:
-            assert self._epoll is not None
+        """Register the interest ``end``'s state calls for: read it until its EOF
+        while its peer has nothing waiting, write it while it has bytes waiting.
+        An end with neither is not registered at all (epoll would keep
+        reporting a hang-up)."""
+        if end.fd in self._ends:
+            read = not end.eof and not end.peer.pending
+            self._set_interest(end, (_IN if read else 0) | (_OUT if end.pending else 0))
+
+    def _set_interest(self, end: _End, mask: int) -> None:
+        if mask == end.mask:
+            return
+        assert self._epoll is not None
+        if not mask:
+            self._epoll.unregister(end.fd)
+        elif not end.mask:
+            self._epoll.register(end.fd, mask)
+        else:
             self._epoll.modify(end.fd, mask)
-            end.mask = mask
+        end.mask = mask
