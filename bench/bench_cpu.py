@@ -474,7 +474,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rtt-calls",
         type=int,
         default=None,
-        help="Lookup calls per socket (default 2000; --quick: 100)",
+        help="round-trip calls per row (default 4000; --quick: 100)",
     )
     p.add_argument("--workers", type=int, default=0, help="daemon sealing threads (0: its default)")
     p.add_argument(
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if not batches or batches[0] < 1:
         raise SystemExit("--blocks must be positive integers")
     reps = args.reps or (2 if args.quick else 7)
-    rtt_calls = args.rtt_calls or (100 if args.quick else 2000)
+    rtt_calls = args.rtt_calls or (100 if args.quick else 4000)
     shape = KVShape(num_pages=max(batches), dtype="bfloat16", **QWEN3_32B)
     block_bytes = shape.block_bytes
     # The tier holds the largest batch twice (restore set + a fresh offload) plus slack.
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
 def round_trip_table(calls: int) -> int:
     """Measure the round trips (after the sealing runs: their daemon is gone) and
     print their table."""
-    block = min(200, calls)
+    block = min(50, calls)
     with tempfile.TemporaryDirectory(prefix="kvseal-bench-rtt-") as tmp:
         rows = measure_round_trips(Path(tmp), calls, block)
     print_round_trips(rows, calls, block)
