@@ -114,9 +114,9 @@ class PeerCredGate:
 
     One thread runs an epoll loop: a connection's credentials are checked once
     when it is accepted, then each wake-up reads what arrived and writes it to
-    the other side (no per-message objects, no coroutine). A connection ends as
-    a whole: when either side closes or fails, the bytes already read for the
-    other side are written (while it accepts them) and both are closed.
+    the other side (no per-message objects, no coroutine). A side's EOF reaches
+    the other once the bytes before it are written (a half-close); the pair is
+    closed when both directions have ended, or at once when either side fails.
     """
 
     REFUSAL_LOG_INTERVAL_S = 10.0  # per uid: a looping client cannot flood the log
@@ -237,16 +237,21 @@ class PeerCredGate:
             except InterruptedError:  # pragma: no cover - PEP 475 retries
                 continue
             for fd, ev in events:
-                end = ends.get(fd)
-                if end is not None:
-                    if ev & _OUT and end.pending:
-                        self._flush(end)
-                    if ev & ~_OUT and fd in ends:  # readable, hung up or failed
-                        self._pump(end, buf, view)
-                elif fd == self._wake_r:
-                    self._run_commands()
-                elif self._listener is not None and fd == self._listener.fileno():
-                    self._accept()
+                try:
+                    end = ends.get(fd)
+                    if end is not None:
+                        if ev & _OUT and end.pending:
+                            self._flush(end)
+                        if ev & ~_OUT and fd in ends:  # readable, hung up or failed
+                            self._pump(end, buf, view)
+                    elif fd == self._wake_r:
+                        self._run_commands()
+                    elif self._listener is not None and fd == self._listener.fileno():
+                        self._accept()
+                except Exception:  # a bug must cost one connection, not the socket
+                    log.exception("relay failure; closing the connection concerned")
+                    if fd in ends:
+                        self._close(ends[fd])
             if self._waiting:
                 self._retry_waiting()
         for end in list(ends.values()):
@@ -287,7 +292,12 @@ class PeerCredGate:
             except OSError as e:  # e.g. EMFILE: the kernel keeps the peer queued
                 log.error("cannot accept a connection: %s", e)
                 return
-            pid, uid, _ = peer_credentials(conn)
+            try:
+                pid, uid, _ = peer_credentials(conn)
+            except OSError as e:  # pragma: no cover - the kernel sets them at connect
+                log.error("cannot read a peer's credentials: %s", e)
+                conn.close()
+                continue
             if uid not in self.allowed:
                 self.denied += 1
                 self.log_refusal(pid, uid)
