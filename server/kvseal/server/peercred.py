@@ -11,7 +11,11 @@ Two ways, chosen by ``kvseal.server.main.socket_access`` from the allow list:
   (root, normally), which can connect to any socket whatever its mode. That is
   the allow list, except that root is admitted even when not listed; root can
   also read the daemon's memory, so refusing it at the socket protected
-  nothing. No hop, no relay thread, nothing logged per connection.
+  nothing. (The filesystem uid is the effective uid that ``SO_PEERCRED``
+  reports unless ``setfsuid`` changed it, which without ``CAP_SETUID`` picks
+  only among the process's own uids: one that could present the daemon's uid
+  here could present it as its effective uid too.) No hop, no relay thread,
+  nothing logged per connection.
 - **Relay** (other uids admitted, or ``--socket-group``): grpcio exposes
   neither the accepted socket nor the peer's credentials, so
   :class:`PeerCredGate` accepts on the public socket, reads the peer's uid with
