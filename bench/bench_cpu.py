@@ -19,10 +19,14 @@ What it does, in one run:
       the daemon's own gather) into a same-sized private buffer, one thread;
    c. raw ``AESGCM.encrypt_into`` / ``decrypt_into`` of the same bytes, 4 MiB
       per call, one thread; and the ratios sealed/raw.
-4. ``Lookup`` of one hash, N calls, through the public socket (the gate's
-   relay) and straight to the daemon's internal gRPC socket
-   (a fresh ``.kvseal-*`` directory; the daemon logs it): p50/p99.
-5. Prints a markdown table (last), stops the daemon with SIGTERM.
+4. Round trips (``measure_round_trips``, its own daemons): a bare grpcio
+   unary echo over a Unix socket (the reference row), then ``Lookup`` of one
+   hash through the public socket of a default daemon (owner-only: gRPC's own
+   socket, the kernel's check) and of one with ``--socket-group`` (the
+   SO_PEERCRED relay), and straight to the latter's internal gRPC socket (a
+   fresh ``.kvseal-*`` directory): p50/p99 and p50 / echo p50, the cases
+   taking turns in blocks of calls. ``--round-trip-only`` runs just this.
+5. Prints the markdown tables (last), stops the daemons with SIGTERM.
 
 Throughput is GB/s = 1e9 bytes/s of plaintext. No GPU is used.
 """
@@ -46,9 +50,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
 from kvseal.client.shm import LAYOUTS, KVShape, SharedKVPool
+from kvseal.v1 import kvseal_pb2 as pb
 
 QWEN3_32B = {"tokens_per_page": 16, "num_layers": 64, "num_kv_heads": 8, "head_dim": 128}
 TABLE_TITLE = "## kvseal CPU backend benchmark"
@@ -301,20 +307,150 @@ def measure_batch(
     )
 
 
-def measure_rtt(target: str, pool_id: str, calls: int) -> tuple[float, float]:
-    """p50, p99 of a one-hash Lookup in microseconds."""
-    tenant = secrets.token_bytes(32)
-    one = [secrets.token_bytes(32)]
-    with KVSealClient(ClientConfig(target=target, lookup_timeout_s=10.0, timeout_s=10.0)) as c:
-        for _ in range(min(100, calls)):  # warm-up: connect, caches
-            c.lookup(pool_id, tenant, one)
-        samples = []
-        for _ in range(calls):
-            t0 = time.perf_counter_ns()
-            c.lookup(pool_id, tenant, one)
-            samples.append((time.perf_counter_ns() - t0) / 1000.0)
-    samples.sort()
-    return percentile(samples, 0.50), percentile(samples, 0.99)
+# ---------------------------------------------------------------- round trip
+# The small-request round trip (issue 14, "Round trip"): its own daemons and
+# its own table, apart from the sealing measurements above.
+
+# A bare grpcio unary echo over a Unix socket: the floor any gRPC call pays on
+# this machine (grpcio's Python server, HTTP/2, one thread hand-off each way).
+ECHO_SERVER = r"""
+import sys
+from concurrent import futures
+import grpc
+handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+server.add_generic_rpc_handlers(
+    (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler}),)
+)
+server.add_insecure_port("unix://" + sys.argv[1])
+server.start()
+print("READY", flush=True)
+server.wait_for_termination()
+"""
+ECHO_LABEL = "bare grpcio unary echo, Unix socket (reference)"
+
+
+@dataclass
+class RoundTrip:
+    label: str
+    p50_us: float
+    p99_us: float
+
+
+@contextmanager
+def run_echo_server(path: str) -> Iterator[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != b"READY":
+            raise SystemExit(f"echo server exited with {proc.wait()}")
+        yield "unix://" + path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def measure_round_trips(workdir: Path, calls: int, block: int) -> list[RoundTrip]:
+    """p50/p99 (µs) of a bare gRPC echo and of a one-hash ``Lookup`` (through
+    ``KVSealClient``, as an engine calls it), in one run.
+
+    Two daemons: the default, owner-only (gRPC listens on the public socket;
+    the kernel's check on the 0600 socket is the uid check), and one with
+    ``--socket-group`` (the SO_PEERCRED relay in front of gRPC's own socket,
+    which is measured too, so the relay's cost shows). The cases take turns in
+    blocks of ``block`` calls, so a load change on a shared machine falls on
+    all of them; the echo request is as large as the Lookup request."""
+    tenant, one = secrets.token_bytes(32), [secrets.token_bytes(32)]
+    observer = pb.PoolGeometry(block_bytes=4 * MiB, dtype="bfloat16", layout="vllm_per_layer")
+    relay_flags = ["--socket-group", str(os.getgid())]
+    for name in ("owner-only", "relay"):
+        (workdir / name).mkdir()
+    with (
+        run_echo_server(str(workdir / "echo.sock")) as echo_target,
+        run_daemon(workdir / "owner-only", 64 * MiB, []) as owner,
+        run_daemon(workdir / "relay", 64 * MiB, relay_flags) as relayed,
+        grpc.insecure_channel(echo_target) as echo_channel,
+    ):
+        clients = {
+            name: KVSealClient(ClientConfig(target=t, lookup_timeout_s=10.0, timeout_s=10.0))
+            for name, t in (
+                ("owner", owner.target),
+                ("relay", relayed.target),
+                ("internal", relayed.internal_target),
+            )
+        }
+        try:
+            pool_ids = {
+                name: c.register_pool(f"rtt-{name}", b"kvseal-bench/rtt", observer, observer=True)
+                for name, c in clients.items()
+                if name != "internal"
+            }
+            pool_ids["internal"] = pool_ids["relay"]
+            size = pb.LookupRequest(
+                pool_id=pool_ids["owner"].pool_id, tenant=tenant, block_hashes=one
+            ).ByteSize()
+            echo = echo_channel.unary_unary("/bench.Echo/Echo")
+            payload = os.urandom(size)
+
+            def lookup(name: str) -> Callable[[], object]:
+                c, pool_id = clients[name], pool_ids[name].pool_id
+                return lambda: c.lookup(pool_id, tenant, one)
+
+            cases: list[tuple[str, Callable[[], object]]] = [
+                (ECHO_LABEL, lambda: echo(payload, timeout=10.0)),
+                (
+                    "Lookup (1 hash), public socket, owner-only: kernel check, no relay",
+                    lookup("owner"),
+                ),
+                (
+                    "Lookup (1 hash), public socket, --socket-group: SO_PEERCRED relay",
+                    lookup("relay"),
+                ),
+                (
+                    "Lookup (1 hash), that daemon's internal gRPC socket (no relay)",
+                    lookup("internal"),
+                ),
+            ]
+            samples: dict[str, list[float]] = {label: [] for label, _ in cases}
+            for _, fn in cases:  # warm-up: connect, caches
+                for _ in range(min(100, calls)):
+                    fn()
+            for _ in range(max(1, calls // block)):
+                for label, fn in cases:
+                    out = samples[label]
+                    for _ in range(block):
+                        t0 = time.perf_counter_ns()
+                        fn()
+                        out.append((time.perf_counter_ns() - t0) / 1000.0)
+        finally:
+            for c in clients.values():
+                c.close()
+    result = []
+    for label, values in samples.items():
+        values.sort()
+        result.append(RoundTrip(label, percentile(values, 0.50), percentile(values, 0.99)))
+    return result
+
+
+def print_round_trips(rows: list[RoundTrip], calls: int, block: int) -> None:
+    """The round-trip table; the first row is the reference, and the goal
+    (issue 14) is the owner-only Lookup's p50 at most 1.25x it."""
+    ref = rows[0]
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"Round trips, one run: {calls} calls per row in turns of {block}; "
+        f"load average {load}; goal: owner-only Lookup p50 <= 1.25x the echo"
+    )
+    print()
+    print("| round trip | p50 µs | p99 µs | p50 / echo p50 |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r.label} | {r.p50_us:.0f} | {r.p99_us:.0f} | {r.p50_us / ref.p50_us:.2f} |")
+    relay, internal = rows[2], rows[3]
+    cost50, cost99 = relay.p50_us - internal.p50_us, relay.p99_us - internal.p99_us
+    print(f"| relay cost (relayed public - internal socket) | {cost50:+.0f} | {cost99:+.0f} | |")
 
 
 # ---------------------------------------------------------------- main
@@ -338,9 +474,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rtt-calls",
         type=int,
         default=None,
-        help="Lookup calls per socket (default 2000; --quick: 100)",
+        help="round-trip calls per row (default 4000; --quick: 100)",
     )
     p.add_argument("--workers", type=int, default=0, help="daemon sealing threads (0: its default)")
+    p.add_argument(
+        "--round-trip-only", action="store_true", help="only the round-trip table (no sealing)"
+    )
     return p.parse_args(argv)
 
 
@@ -352,12 +491,17 @@ def main(argv: list[str] | None = None) -> int:
     if not batches or batches[0] < 1:
         raise SystemExit("--blocks must be positive integers")
     reps = args.reps or (2 if args.quick else 7)
-    rtt_calls = args.rtt_calls or (100 if args.quick else 2000)
+    rtt_calls = args.rtt_calls or (100 if args.quick else 4000)
     shape = KVShape(num_pages=max(batches), dtype="bfloat16", **QWEN3_32B)
     block_bytes = shape.block_bytes
     # The tier holds the largest batch twice (restore set + a fresh offload) plus slack.
     host_bytes = 2 * max(batches) * block_bytes + 64 * MiB
     extra = ["--workers", str(args.workers)] if args.workers else []
+
+    if args.round_trip_only:
+        print(cpu_label(), flush=True)
+        print()
+        return round_trip_table(rtt_calls)
 
     print(cpu_label(), flush=True)
     print(
@@ -394,8 +538,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"AES enc {gbps(n, row.enc_s):.2f} / dec {gbps(n, row.dec_s):.2f} GB/s",
                     flush=True,
                 )
-            gate = measure_rtt(daemon.target, handle.pool_id, rtt_calls)
-            direct = measure_rtt(daemon.internal_target, handle.pool_id, rtt_calls)
         finally:
             copier.close()
         client.unregister_pool(handle.pool_id)
@@ -423,11 +565,16 @@ def main(argv: list[str] | None = None) -> int:
         cells += [f"{sealed_off / enc:.2f}", f"{res / dec:.2f}", f"{sealed_off / cp:.2f}"]
         print("| " + " | ".join(cells) + " |")
     print()
-    print(f"| Lookup (1 hash), {rtt_calls} calls | p50 µs | p99 µs |")
-    print("|---|---:|---:|")
-    print(f"| public socket (peer-credential gate relay) | {gate[0]:.0f} | {gate[1]:.0f} |")
-    print(f"| internal gRPC socket (no gate) | {direct[0]:.0f} | {direct[1]:.0f} |")
-    print(f"| gate cost | {gate[0] - direct[0]:+.0f} | {gate[1] - direct[1]:+.0f} |")
+    return round_trip_table(rtt_calls)
+
+
+def round_trip_table(calls: int) -> int:
+    """Measure the round trips (after the sealing runs: their daemon is gone) and
+    print their table."""
+    block = min(50, calls)
+    with tempfile.TemporaryDirectory(prefix="kvseal-bench-rtt-") as tmp:
+        rows = measure_round_trips(Path(tmp), calls, block)
+    print_round_trips(rows, calls, block)
     return 0
 
 

@@ -34,10 +34,16 @@ def test_bench_cpu_quick_runs_and_prints_the_table() -> None:
     # Both tables, with a row per batch and both sockets.
     assert any(line.startswith("| batch | bytes | sealed offload GB/s") for line in lines)
     assert sum(1 for line in lines if re.match(r"^\| \d+ blocks \| \d+ MiB \|", line)) == 2
-    assert any(line.startswith("| public socket") for line in lines)
-    assert any(line.startswith("| internal gRPC socket") for line in lines)
+    # The round-trip table: the bare echo is its reference row, then Lookup through
+    # the public socket in both socket modes, with ratios, all from this run.
+    header = lines.index("| round trip | p50 µs | p99 µs | p50 / echo p50 |")
+    rows = lines[header + 2 :]
+    assert rows[0].startswith("| bare grpcio unary echo") and rows[0].endswith(" 1.00 |")
+    assert rows[1].startswith("| Lookup (1 hash), public socket, owner-only")
+    assert rows[2].startswith("| Lookup (1 hash), public socket, --socket-group")
+    assert all(re.search(r"\| \d+ \| \d+ \| \d+\.\d\d \|$", r) for r in rows[:4])
     # The table comes last.
-    assert lines[-1].startswith("| gate cost |")
+    assert lines[-1].startswith("| relay cost ")
     # The daemon was stopped and the pool's shared memory was unlinked.
     assert not re.search(r"daemon exited with -?\d+", proc.stderr)
     if os.path.isdir("/dev/shm"):

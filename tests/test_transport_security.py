@@ -27,10 +27,26 @@ from .conftest import DaemonProc
 def test_socket_is_owner_only(daemon: DaemonProc) -> None:
     st = os.stat(daemon.socket)
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_uid == os.geteuid()
     sock_dir = Path(daemon.socket).parent
     assert stat.S_IMODE(sock_dir.stat().st_mode) == 0o700  # created by the daemon
+    # Owner-only: gRPC listens on this socket itself (the kernel's check on the
+    # 0600 socket is the uid check); no other socket reaches gRPC.
+    assert sorted(p.name for p in sock_dir.iterdir()) == ["kvseal.sock", "kvseal.sock.lock"]
+    assert "no relay" in daemon.log()
+
+
+def test_relayed_socket_keeps_grpc_in_a_private_directory(
+    daemon_factory: Callable[..., DaemonProc],
+) -> None:
+    d = daemon_factory("--allow-uid", str(os.getuid()), "--allow-uid", str(os.getuid() + 4242))
+    with d.client() as c:
+        assert c.health() == "SERVING"
+    sock_dir = Path(d.socket).parent
     private = [p for p in sock_dir.iterdir() if p.name.startswith(".kvseal-")]
     assert len(private) == 1 and stat.S_IMODE(private[0].stat().st_mode) == 0o700
+    assert [p.name for p in private[0].iterdir()] == ["grpc.sock"]
+    assert f"admitted connection from pid {os.getpid()} uid {os.getuid()}" in d.log()
 
 
 def test_peer_uid_not_allowed_is_refused(daemon_factory: Callable[..., DaemonProc]) -> None:
@@ -191,10 +207,12 @@ def test_plaintext_tcp_is_refused(tmp_path: Path) -> None:
     assert "requires mutual TLS" in r.stderr
 
 
-def test_pod_style_shared_directories_are_accepted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("relay", [False, True], ids=["owner-only", "relay"])
+def test_pod_style_shared_directories_are_accepted(tmp_path: Path, relay: bool) -> None:
     """In a Kubernetes pod the socket volume and /tmp are emptyDirs (mode
     0777, no sticky bit, reachable only from the pod): the daemon must still
-    start there, putting its internal socket in a fresh 0700 directory."""
+    start there. Owner-only, gRPC's own socket is the public one (0600); with
+    the relay, its internal socket goes in a fresh 0700 directory."""
     from .conftest import start_daemon
 
     work = tmp_path / "pod"
@@ -203,12 +221,17 @@ def test_pod_style_shared_directories_are_accepted(tmp_path: Path) -> None:
     tmp.mkdir()
     os.chmod(run, 0o777)
     os.chmod(tmp, 0o777)
-    d = start_daemon(work, env={"TMPDIR": str(tmp)})
+    flags = ["--allow-uid", str(os.getuid()), "--allow-uid", str(os.getuid() + 4242)]
+    d = start_daemon(work, *(flags if relay else []), env={"TMPDIR": str(tmp)})
     try:
         with d.client() as c:
             assert c.health() == "SERVING"
         private = [p for p in run.iterdir() if p.name.startswith(".kvseal-")]
-        assert len(private) == 1 and stat.S_IMODE(private[0].stat().st_mode) == 0o700
+        if relay:
+            assert len(private) == 1 and stat.S_IMODE(private[0].stat().st_mode) == 0o700
+        else:
+            assert not private
+            assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o600
         assert "writable by others" in d.log()
     finally:
         d.stop()

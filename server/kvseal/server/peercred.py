@@ -1,31 +1,52 @@
-"""Peer-credential gate for the public Unix socket.
+"""Who may talk to the daemon over its public Unix socket, and who checks it.
 
-grpcio exposes neither the accepted socket nor the peer's credentials, so the
-daemon puts a small splice in front of gRPC: it accepts on the public socket,
-reads the peer's uid with ``SO_PEERCRED`` (set by the kernel at connect time,
-so it cannot be forged), refuses uids that are not allowed, and otherwise
-relays bytes both ways to gRPC's own socket, which sits in a 0700 directory
-only the daemon's uid can enter. Costs one extra local hop per message (see
-``make bench``: round trip through the gate vs direct).
+Two ways, chosen by ``kvseal.server.main.socket_access`` from the allow list:
 
-Runs an asyncio loop on one thread with callback protocols (no coroutine
-per message); backpressure pauses the reading side when a write buffer fills.
+- **Owner-only** (the default: only the daemon's own uid is admitted, root
+  possibly listed too, no ``--socket-group``): gRPC listens on the public
+  path itself (:func:`listen_owner_only`). The socket is created 0600 and owned
+  by the daemon's uid, so the kernel's permission check at ``connect(2)``
+  (write permission on the socket inode) admits exactly the processes whose
+  filesystem uid is the daemon's, plus any process holding ``CAP_DAC_OVERRIDE``
+  (root, normally), which can connect to any socket whatever its mode. That is
+  the allow list, except that root is admitted even when not listed; root can
+  also read the daemon's memory, so refusing it at the socket protected
+  nothing. (The filesystem uid is the effective uid that ``SO_PEERCRED``
+  reports unless ``setfsuid`` changed it, which without ``CAP_SETUID`` picks
+  only among the process's own uids: one that could present the daemon's uid
+  here could present it as its effective uid too.) No hop, no relay thread,
+  nothing logged per connection.
+- **Relay** (other uids admitted, or ``--socket-group``): grpcio exposes
+  neither the accepted socket nor the peer's credentials, so
+  :class:`PeerCredGate` accepts on the public socket, reads the peer's uid with
+  ``SO_PEERCRED`` (set by the kernel at connect time, so it cannot be forged),
+  refuses and logs uids that are not allowed, and relays an admitted
+  connection's bytes both ways to gRPC's own socket, which sits in a 0700
+  directory only the daemon's uid can enter. The check runs once per
+  connection; after it, the relay only moves bytes (``make bench``: round trip
+  through the relay vs gRPC's own socket).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import errno
 import logging
 import os
+import select
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+
+import grpc
 
 log = logging.getLogger("kvseal.peercred")
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+_CHUNK = 256 * 1024  # bytes read per wake-up; also the most one direction buffers
+_CONNECT_RETRY_S = 1.0  # how long an admitted peer waits while gRPC's backlog is full
+_IN, _OUT = select.EPOLLIN, select.EPOLLOUT
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -35,93 +56,54 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-class _Relay(asyncio.Protocol):
-    """One direction's endpoint of a relayed connection.
-
-    Plain protocols (callbacks, no coroutines) keep the relay's cost per
-    message to two ``write`` calls. Flow control: when the other side's
-    transport buffers too much, it pauses reading here, and resumes later.
-    """
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.peer: _Relay | None = None
-        self.pending: list[bytes] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.write(data)
-        else:
-            self.pending.append(data)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.close()
-
-    # The peer's transport calls these when *its* write buffer crosses the
-    # high/low water marks; the data it buffers comes from our side.
-    def pause_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.resume_reading()
+def _replace_with_socket(path: str, mode: int, bind: Callable[[], None]) -> None:
+    """Remove whatever is at ``path`` and run ``bind``, which creates the socket
+    there, under a umask that gives it ``mode`` from its first instant (a chmod
+    afterwards would leave a window with a wider mode). The caller holds the
+    socket's lock (``kvseal.server.locks``), so nothing it must keep is there."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    old = os.umask(0o777 & ~mode)
+    try:
+        bind()
+    finally:
+        os.umask(old)
 
 
-class _Downstream(_Relay):
-    """The engine's side: checks SO_PEERCRED, then connects upstream."""
+def listen_owner_only(server: grpc.Server, path: str) -> None:
+    """Make ``server`` (not yet started) listen on ``path`` itself, a socket of
+    mode 0600 owned by this process's uid: the kernel then admits only that uid
+    and holders of ``CAP_DAC_OVERRIDE`` (see the module docstring). gRPC binds
+    here, so a client may connect as soon as this returns (its connection is
+    served once the server starts); gRPC removes the socket file when it stops.
+    Raises OSError when gRPC cannot bind."""
 
-    def __init__(self, gate: PeerCredGate) -> None:
-        super().__init__()
-        self.gate = gate
+    def bind() -> None:
+        if server.add_insecure_port("unix://" + path) == 0:  # pragma: no cover
+            raise OSError(f"gRPC cannot listen on {path}")
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        assert self.transport is not None
-        pid, uid, _ = peer_credentials(self.transport.get_extra_info("socket"))
-        if uid not in self.gate.allowed:
-            self.gate.denied += 1
-            self.gate.log_refusal(pid, uid)
-            self.transport.close()
-            return
-        # Ids only: a connection carries no secret the log could leak.
-        log.info("admitted connection from pid %d uid %d", pid, uid)
-        self.gate.connections.add(self)
-        self.transport.pause_reading()
-        self._task = asyncio.get_running_loop().create_task(self._connect_upstream())
+    _replace_with_socket(path, 0o600, bind)
+    if os.stat(path).st_mode & 0o077:  # pragma: no cover - umask honoured above
+        raise OSError(f"{path} was not created owner-only")
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.gate.connections.discard(self)
-        super().connection_lost(exc)
 
-    async def _connect_upstream(self) -> None:
-        assert self.transport is not None
-        loop = asyncio.get_running_loop()
-        try:
-            _, up = await loop.create_unix_connection(_Relay, self.gate.internal_path)
-        except OSError as e:
-            if self.gate.draining:
-                # Accepted just before stop_accepting(): gRPC stopped listening for
-                # the shutdown. Expected, not an error; the client sees UNAVAILABLE.
-                log.info("refused a connection: kvseal is shutting down (%s)", e)
-            else:
-                log.error("cannot reach the gRPC socket: %s", e)
-            self.transport.close()
-            return
-        assert isinstance(up, _Relay) and up.transport is not None
-        self.peer, up.peer = up, self
-        for chunk in self.pending:
-            up.transport.write(chunk)
-        self.pending.clear()
-        if self.transport.is_closing():
-            up.transport.close()
-        else:
-            self.transport.resume_reading()
+class _End:
+    """One side of a relayed connection: its socket, the bytes read from the other
+    side that wait to be written to it, and whether it has sent its EOF (``eof``:
+    nothing more to read from it) and been sent ours (``shut``). While bytes
+    wait for one side the other is not read, so each direction holds at most one
+    read (``_CHUNK``)."""
+
+    __slots__ = ("eof", "fd", "mask", "peer", "pending", "shut", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.peer: _End = self
+        self.pending = b""
+        self.eof = False
+        self.shut = False
+        self.mask = _IN  # the epoll interest registered for it (0: not registered)
 
 
 class PeerCredGate:
@@ -133,6 +115,12 @@ class PeerCredGate:
     (``kvseal.server.locks``): binding replaces whatever file is at the path.
     The socket's mode only says who may *try*: ``SO_PEERCRED`` against the
     allow list is the gate.
+
+    One thread runs an epoll loop: a connection's credentials are checked once
+    when it is accepted, then each wake-up reads what arrived and writes it to
+    the other side (no per-message objects, no coroutine). A side's EOF reaches
+    the other once the bytes before it are written (a half-close); the pair is
+    closed when both directions have ended, or at once when either side fails.
     """
 
     REFUSAL_LOG_INTERVAL_S = 10.0  # per uid: a looping client cannot flood the log
@@ -153,12 +141,16 @@ class PeerCredGate:
         self.denied = 0
         self.draining = False  # stop_accepting() was called: shutdown has begun
         self._refusals: dict[int, tuple[float, int]] = {}  # uid -> (last logged, since)
-        self.connections: set[_Downstream] = set()
-        self._loop = asyncio.new_event_loop()
+        self._ends: dict[int, _End] = {}  # fd -> end, both sides of every connection
+        # Admitted peers whose gRPC connection waits for room in gRPC's backlog.
+        self._waiting: list[tuple[socket.socket, float]] = []
+        self._listener: socket.socket | None = None
+        self._epoll: select.epoll | None = None
+        self._wake_r, self._wake_w = -1, -1
+        self._commands: list[tuple[str, threading.Event]] = []
+        self._commands_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvseal-peercred", daemon=True)
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._server: asyncio.base_events.Server | None = None
+        self._stopped = False
 
     def log_refusal(self, pid: int, uid: int) -> None:
         """Log a refused peer, at most once per uid every REFUSAL_LOG_INTERVAL_S
@@ -176,38 +168,43 @@ class PeerCredGate:
             "refused connection from pid %d uid %d: uid not in the allow list%s", pid, uid, more
         )
 
+    # ------------------------------------------------------------ lifecycle
+
     def start(self) -> None:
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
+        """Bind the public socket and start relaying. Raises OSError when the
+        socket cannot be bound."""
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._bind())
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
-
-    async def _bind(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.public_path)
-        # Create the socket file with restrictive permissions from the start.
-        old = os.umask(0o777 & ~self.mode)
-        try:
-            loop = asyncio.get_running_loop()
-            self._server = await loop.create_unix_server(
-                lambda: _Downstream(self), path=self.public_path
+        def bind() -> None:
+            s = socket.socket(
+                socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
             )
-        finally:
-            os.umask(old)
+            try:
+                s.bind(self.public_path)
+                s.listen(socket.SOMAXCONN)
+            except BaseException:
+                s.close()
+                raise
+            self._listener = s
+
+        _replace_with_socket(self.public_path, self.mode, bind)
+        assert self._listener is not None
         if self.gid is not None:
             os.chown(self.public_path, -1, self.gid)
         os.chmod(self.public_path, self.mode)
+        self._epoll = select.epoll()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._epoll.register(self._wake_r, _IN)
+        self._epoll.register(self._listener.fileno(), _IN)
+        self._thread.start()
+
+    def _command(self, name: str) -> None:
+        """Run ``name`` on the loop thread and wait for it (at most 5 s)."""
+        done = threading.Event()
+        with self._commands_lock:
+            self._commands.append((name, done))
+        with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
+            os.write(self._wake_w, b"\0")
+        done.wait(timeout=5)
 
     def stop_accepting(self) -> None:
         """Shutdown has begun: accept no new connection from now on (a client that
@@ -217,32 +214,224 @@ class PeerCredGate:
         so does the daemon's socket lock) until :meth:`stop`. Idempotent; returns
         once the listening socket is closed."""
         self.draining = True
-        if not self._thread.is_alive() or self._server is None:
-            return
-        server = self._server
-
-        async def close() -> None:
-            server.close()
-
-        asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5)
+        if self._thread.is_alive():
+            self._command("stop_accepting")
 
     def stop(self) -> None:
         """Stop accepting, close relayed connections, remove the socket file."""
         if not self._thread.is_alive():
             return
-
-        async def shutdown() -> None:
-            if self._server is not None:
-                self._server.close()
-            for conn in list(self.connections):
-                if conn.transport is not None:
-                    conn.transport.close()  # closes the upstream half too
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self.draining = True
+        self._command("stop")
         self._thread.join(timeout=5)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.public_path)
+
+    # ------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        ep = self._epoll
+        assert ep is not None
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        ends = self._ends
+        while not self._stopped:
+            try:
+                events = ep.poll(0.01 if self._waiting else -1)
+            except InterruptedError:  # pragma: no cover - PEP 475 retries
+                continue
+            for fd, ev in events:
+                try:
+                    end = ends.get(fd)
+                    if end is not None:
+                        if ev & _OUT and end.pending:
+                            self._flush(end)
+                        if ev & ~_OUT and fd in ends:  # readable, hung up or failed
+                            self._pump(end, buf, view)
+                    elif fd == self._wake_r:
+                        self._run_commands()
+                    elif self._listener is not None and fd == self._listener.fileno():
+                        self._accept()
+                except Exception:  # a bug must cost one connection, not the socket
+                    log.exception("relay failure; closing the connection concerned")
+                    if fd in ends:
+                        self._close(ends[fd])
+            if self._waiting:
+                self._retry_waiting()
+        for end in list(ends.values()):
+            self._close(end)  # both sides of each connection
+        for sock, _ in self._waiting:
+            sock.close()
+        self._waiting.clear()
+        self._close_listener()
+        ep.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _run_commands(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 4096)
+        with self._commands_lock:
+            commands, self._commands = self._commands, []
+        for name, done in commands:
+            self._close_listener()
+            if name == "stop":
+                self._stopped = True
+            done.set()
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            assert self._epoll is not None
+            self._epoll.unregister(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # e.g. EMFILE: the kernel keeps the peer queued
+                log.error("cannot accept a connection: %s", e)
+                return
+            try:
+                pid, uid, _ = peer_credentials(conn)
+            except OSError as e:  # pragma: no cover - the kernel sets them at connect
+                log.error("cannot read a peer's credentials: %s", e)
+                conn.close()
+                continue
+            if uid not in self.allowed:
+                self.denied += 1
+                self.log_refusal(pid, uid)
+                conn.close()
+                continue
+            # Ids only: a connection carries no secret the log could leak.
+            log.info("admitted connection from pid %d uid %d", pid, uid)
+            conn.setblocking(False)
+            self._connect_upstream(conn, time.monotonic() + _CONNECT_RETRY_S)
+
+    def _connect_upstream(self, conn: socket.socket, give_up_at: float) -> None:
+        up = socket.socket(
+            socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+        )
+        try:
+            up.connect(self.internal_path)
+        except OSError as e:
+            up.close()
+            # A Unix socket connects at once or not at all: EAGAIN means gRPC's
+            # backlog is full (it is not accepting fast enough): try again soon.
+            if e.errno == errno.EAGAIN and time.monotonic() < give_up_at:
+                self._waiting.append((conn, give_up_at))
+                return
+            if self.draining:
+                # Accepted just before stop_accepting(): gRPC stopped listening for
+                # the shutdown. Expected, not an error; the client sees UNAVAILABLE.
+                log.info("refused a connection: kvseal is shutting down (%s)", e)
+            else:
+                log.error("cannot reach the gRPC socket: %s", e)
+            conn.close()
+            return
+        down_end, up_end = _End(conn), _End(up)
+        down_end.peer, up_end.peer = up_end, down_end
+        assert self._epoll is not None
+        for end in (down_end, up_end):
+            self._ends[end.fd] = end
+            self._epoll.register(end.fd, _IN)
+
+    def _retry_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for conn, give_up_at in waiting:
+            self._connect_upstream(conn, give_up_at)
+
+    def _pump(self, src: _End, buf: bytearray, view: memoryview) -> None:
+        """Move what ``src`` has to its peer. Its EOF is passed on (a half-close,
+        once the bytes before it are written); an error closes both sides."""
+        dst = src.peer
+        if src.eof:  # only a hang-up can report it now: nothing left to read
+            return
+        try:
+            n = src.sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(src)
+            return
+        if n == 0:
+            src.eof = True
+            self._update(src)
+            if not dst.pending:
+                self._shut(dst)
+            return
+        if dst.pending:
+            # Only after a hang-up or an error (src is not read while dst has bytes
+            # waiting): keep the order; what is left in src's buffer is bounded.
+            dst.pending += view[:n]
+            return
+        try:
+            sent = dst.sock.send(view[:n])
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(src)
+            return
+        if sent < n:
+            # dst's socket buffer is full: keep the rest and stop reading src until
+            # it drains (backpressure then reaches the sender through src's buffer).
+            dst.pending = bytes(view[sent:n])
+            self._update(dst)
+            self._update(src)
+
+    def _flush(self, dst: _End) -> None:
+        try:
+            sent = dst.sock.send(dst.pending)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(dst)
+            return
+        dst.pending = dst.pending[sent:]
+        if dst.pending:
+            return
+        self._update(dst)
+        self._update(dst.peer)
+        if dst.peer.eof:  # the other side had finished: pass its EOF on
+            self._shut(dst)
+
+    def _shut(self, end: _End) -> None:
+        """Tell ``end`` that its peer will send no more; close the pair once both
+        directions have ended."""
+        with contextlib.suppress(OSError):  # it may be gone already
+            end.sock.shutdown(socket.SHUT_WR)
+        end.shut = True
+        if end.peer.shut:
+            self._close(end)
+
+    def _close(self, end: _End) -> None:
+        """Close ``end`` and its peer now."""
+        for e in (end, end.peer):
+            if self._ends.pop(e.fd, None) is not None:
+                self._set_interest(e, 0)
+                e.sock.close()
+
+    def _update(self, end: _End) -> None:
+        """Register the interest ``end``'s state calls for: read it until its EOF
+        while its peer has nothing waiting, write it while it has bytes waiting.
+        An end with neither is not registered at all (epoll would keep
+        reporting a hang-up)."""
+        if end.fd in self._ends:
+            read = not end.eof and not end.peer.pending
+            self._set_interest(end, (_IN if read else 0) | (_OUT if end.pending else 0))
+
+    def _set_interest(self, end: _End, mask: int) -> None:
+        if mask == end.mask:
+            return
+        assert self._epoll is not None
+        if not mask:
+            self._epoll.unregister(end.fd)
+        elif not end.mask:
+            self._epoll.register(end.fd, mask)
+        else:
+            self._epoll.modify(end.fd, mask)
+        end.mask = mask

@@ -44,7 +44,8 @@ R = TypeVar("R")
 Hook = Callable[[str, grpc.StatusCode], None]
 SERVICE = pb.DESCRIPTOR.services_by_name["KVSeal"]
 # Block RPCs: their (pool_id, tenant) is noted before they run, for WatchEvents.
-_TENANT_RPCS = frozenset({"Lookup", "Touch", "Offload", "Restore", "Drop"})
+# (Lookup notes it itself, under the pool lease it takes anyway.)
+_TENANT_RPCS = frozenset({"Touch", "Offload", "Restore", "Drop"})
 
 
 HOLD_WITHIN_METADATA_KEY = "kvseal-hold-within-ms"
@@ -144,13 +145,18 @@ def _aborted(context: grpc.ServicerContext) -> bool:
 def handler(fn: Callable[..., R]) -> Callable[..., R]:
     """Map exceptions to statuses; report (method, code) to ``self.on_done``."""
 
+    name = fn.__name__
+    names_tenant = name in _TENANT_RPCS
+
     @functools.wraps(fn)
     def wrapper(self: KVSealServicer, request: Any, context: grpc.ServicerContext) -> R:
         code = grpc.StatusCode.OK
         try:
-            with telemetry.rpc_span(fn.__name__, context.invocation_metadata()) as span:
+            # The metadata is read only for the caller's trace context.
+            metadata = context.invocation_metadata() if telemetry.enabled() else None
+            with telemetry.rpc_span(name, metadata) as span:
                 try:
-                    if fn.__name__ in _TENANT_RPCS:
+                    if names_tenant:
                         self.cache.note_tenant(request.pool_id, bytes(request.tenant))
                     return fn(self, request, context)
                 except KVSealError as e:
@@ -170,7 +176,7 @@ def handler(fn: Callable[..., R]) -> Callable[..., R]:
             code = grpc.StatusCode.INTERNAL
             if _aborted(context):
                 raise
-            log.exception("internal error in %s", fn.__name__)
+            log.exception("internal error in %s", name)
             # A reason in the trailers tells the client this is the daemon's
             # verdict: the request is over and touches no page any more.
             context.set_trailing_metadata(((ERROR_METADATA_KEY, "INTERNAL_ERROR"),))
@@ -178,7 +184,7 @@ def handler(fn: Callable[..., R]) -> Callable[..., R]:
             raise
         finally:
             if self.on_done is not None:
-                self.on_done(fn.__name__, code)
+                self.on_done(name, code)
 
     return wrapper
 

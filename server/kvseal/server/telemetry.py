@@ -79,19 +79,32 @@ def tenant_label(tenant: bytes) -> str:
     return hashlib.sha256(b"kvseal/tenant-label\x00" + tenant).hexdigest()[:16]
 
 
-@contextlib.contextmanager
+# What the span helpers return while tracing is off: one shared no-op context
+# (no generator per call; every request takes this path by default).
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+
+def enabled() -> bool:
+    """Whether spans are recorded; callers skip building span inputs otherwise."""
+    return _tracer is not None
+
+
 def rpc_span(
     method: str, metadata: Iterable[tuple[str, Any]] | None
-) -> Iterator[trace.Span | None]:
+) -> contextlib.AbstractContextManager[trace.Span | None]:
     """A SERVER span for one RPC, parented by the caller's traceparent."""
-    if _tracer is None:
-        yield None
-        return
+    return _NO_SPAN if _tracer is None else _rpc_span(_tracer, method, metadata)
+
+
+@contextlib.contextmanager
+def _rpc_span(
+    tracer: trace.Tracer, method: str, metadata: Iterable[tuple[str, Any]] | None
+) -> Iterator[trace.Span]:
     carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
     parent = propagate.extract(carrier)
     token = otel_context.attach(parent)
     try:
-        with _tracer.start_as_current_span(
+        with tracer.start_as_current_span(
             f"kvseal.v1.KVSeal/{method}",
             kind=trace.SpanKind.SERVER,
             attributes={
@@ -109,13 +122,14 @@ def rpc_span(
         otel_context.detach(token)
 
 
-@contextlib.contextmanager
-def stage(name: str, **attributes: Any) -> Iterator[None]:
+def stage(name: str, **attributes: Any) -> contextlib.AbstractContextManager[None]:
     """A child span of the current RPC for one stage (no-op without tracing)."""
-    if _tracer is None:
-        yield
-        return
-    with _tracer.start_as_current_span(
+    return _NO_SPAN if _tracer is None else _stage(_tracer, name, attributes)
+
+
+@contextlib.contextmanager
+def _stage(tracer: trace.Tracer, name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
+    with tracer.start_as_current_span(
         f"kvseal.{name}", attributes=_clean(attributes), record_exception=False
     ):
         yield

@@ -63,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="peer uid allowed on the Unix socket (repeatable; default: the daemon's own "
-        "uid). Checked with SO_PEERCRED on every connection; with uids other than the "
-        "daemon's own the socket is 0666 (the check is the gate) unless --socket-group "
-        "narrows it [KVSEAL_ALLOW_UIDS=uid,uid]",
+        "uid). The daemon's own uid only: a 0600 socket, checked by the kernel (root can "
+        "always connect). With other uids: checked with SO_PEERCRED on every connection, "
+        "the socket 0666 unless --socket-group narrows it [KVSEAL_ALLOW_UIDS=uid,uid]",
     )
     p.add_argument(
         "--socket-group",

@@ -35,7 +35,7 @@ from kvseal.server.daemon.socket_access import (
     socket_access,
 )
 from kvseal.server.hostregion import RegionError
-from kvseal.server.peercred import PeerCredGate
+from kvseal.server.peercred import PeerCredGate, listen_owner_only
 from kvseal.server.service import KVSealServicer, add_to_server
 from kvseal.v1 import kvseal_pb2 as pb
 
@@ -177,19 +177,25 @@ class Daemon:
         private_dir = None
         if cfg.unix_path is not None:
             assert access is not None
-            # gRPC's own socket lives in a fresh 0700 directory: only this uid
-            # can bypass the gate, and the gate admits only allowed uids.
-            private_dir = make_private_dir(os.path.dirname(cfg.unix_path) or ".", private)
-            internal = os.path.join(private_dir, "grpc.sock")
-            log.info("internal gRPC socket: %s (reachable by uid %d only)", internal, os.geteuid())
-            server.add_insecure_port("unix://" + internal)
-            gate = PeerCredGate(
-                cfg.unix_path,
-                internal,
-                cfg.effective_allow_uids,
-                mode=access.mode,
-                gid=access.gid,
-            )
+            if not access.relay:
+                # Owner-only: no hop; the kernel checks every connect (see peercred).
+                listen_owner_only(server, cfg.unix_path)
+            else:
+                # gRPC's own socket lives in a fresh 0700 directory: only this uid
+                # can bypass the gate, and the gate admits only allowed uids.
+                private_dir = make_private_dir(os.path.dirname(cfg.unix_path) or ".", private)
+                internal = os.path.join(private_dir, "grpc.sock")
+                log.info(
+                    "internal gRPC socket: %s (reachable by uid %d only)", internal, os.geteuid()
+                )
+                server.add_insecure_port("unix://" + internal)
+                gate = PeerCredGate(
+                    cfg.unix_path,
+                    internal,
+                    cfg.effective_allow_uids,
+                    mode=access.mode,
+                    gid=access.gid,
+                )
             log.info(
                 "socket %s: %s; allowed uids %s; lock file %s",
                 cfg.unix_path,
@@ -266,6 +272,9 @@ class Daemon:
         self.server.stop(self.cfg.grace_seconds).wait()  # refuse new RPCs, drain the rest
         if self.gate is not None:
             self.gate.stop()
+        elif self.cfg.unix_path is not None:  # gRPC's own socket (owner-only)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.cfg.unix_path)
         # grpc's stop() does not wait for handler threads: the cache does,
         # before it unmaps anything a handler may still copy into.
         if not self.cache.close(timeout=max(5.0, self.cfg.grace_seconds)):

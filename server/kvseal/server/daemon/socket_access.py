@@ -18,17 +18,22 @@ log = logging.getLogger("kvseal")
 
 @dataclass(frozen=True)
 class SocketAccess:
-    """Who may open the public socket file; the SO_PEERCRED gate then decides.
+    """Who may open the public socket file, and who then checks the peer.
 
     ``mode``: the socket's mode. ``gid``: its group (None: the daemon's).
     ``dir_search``: the search ("x") bit the socket directory needs so that the
     admitted uids can reach the socket and its lock file (0: none).
+    ``relay``: the SO_PEERCRED relay checks each peer against the allow list
+    (``kvseal.server.peercred.PeerCredGate``); False: gRPC listens on the socket
+    itself and the kernel's permission check on the 0600 socket is the check
+    (``kvseal.server.peercred.listen_owner_only``).
     """
 
     mode: int
     gid: int | None
     dir_search: int
     summary: str
+    relay: bool = True
 
 
 def socket_access(cfg: ServerConfig) -> SocketAccess:
@@ -38,7 +43,10 @@ def socket_access(cfg: ServerConfig) -> SocketAccess:
     - otherwise, uids other than the daemon's (and root, which passes any mode)
       in the allow list: 0666, the directory searchable by all: every local uid
       can connect, and the gate refuses (and logs) every uid not in the list;
-    - otherwise: 0600, as before (the daemon's uid only).
+    - otherwise: 0600. When the daemon's own uid is in the list (with root at
+      most), the kernel's check on a 0600 socket admits exactly that uid, and
+      root: gRPC listens there itself, no relay. Otherwise (e.g. only root
+      listed) the relay still refuses the daemon's own uid.
 
     Exits (status 2) when the group does not exist.
     """
@@ -64,6 +72,16 @@ def socket_access(cfg: ServerConfig) -> SocketAccess:
             0o001,
             f"mode 0666 for allowed uids {sorted(others)} (SO_PEERCRED admits only the allow "
             "list; --socket-group narrows who can connect at all)",
+        )
+    uid = os.geteuid()
+    if uid in cfg.effective_allow_uids:
+        return SocketAccess(
+            0o600,
+            None,
+            0,
+            f"mode 0600, owner-only: the kernel admits uid {uid}{'' if uid == 0 else ' and root'}"
+            "; no relay",
+            relay=False,
         )
     return SocketAccess(0o600, None, 0, "mode 0600")
 
