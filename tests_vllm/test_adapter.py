@@ -289,3 +289,53 @@ def test_the_mirror_is_an_observer_of_the_workers_namespace(two_daemons: list[Da
     finally:
         mgr.shutdown()
         rank.worker.shutdown()
+
+
+def test_blocks_offered_again_stay_recent_in_the_daemon(tmp_path: Path) -> None:
+    """vLLM offers a request's blocks for store also when the tier already holds
+    them (a prefix the engine served from its own cache). The manager skips the
+    copy but has the daemon touch them, in the background: the daemon's LRU
+    then evicts a block nobody used, not the prefix in use (without the touch,
+    exactly that prefix would go first)."""
+    d = Daemon(tmp_path / "d", host_bytes="1MiB")  # the smallest tier: ~250 test blocks
+    d.start()
+    sock = [d.target]
+    mgr = KVSealOffloadingSpec(offloading_config(sock, 0)).get_manager()
+    assert isinstance(mgr, KVSealOffloadingManager)
+    rank = Rank(sock, 0)
+    try:
+        m = mgr.mirrors[0]
+        assert wait_for(lambda: m.synced.is_set() and rank.worker.kv is not None)
+        ctx = ReqContext(req_id="r")
+        mgr.on_new_request(ctx)  # names the shared tenant on the mirror
+        tenant = tenant_digest(None)
+        k = [OffloadKey(keys.make_offload_key(i.to_bytes(2, "big") * 16, 0)) for i in range(600)]
+        h = [bytes(kk[: -keys.OFFLOAD_GROUP_BYTES]) for kk in k]
+        # Fill the tier one single-block chain at a time, until it evicts.
+        n = 0
+        while d.stats()["evicted_blocks"] == 0:
+            assert n < len(k), "the tier never filled"
+            rank.fill(n % NUM_BLOCKS, n)
+            rank.run(True, tenant, [h[n]], [n % NUM_BLOCKS])
+            n += 1
+        assert n >= 4, n  # room for a few blocks: the test means something
+        assert wait_for(lambda: not m.contains(tenant, h[0]))  # plain LRU: the oldest went
+        oldest = 1  # h[1] is now the least recently used
+        assert m.contains(tenant, h[oldest]) and m.contains(tenant, h[oldest + 1])
+
+        # The engine uses h[1] again (served from its own cache) and vLLM offers
+        # it for store: nothing to copy, but it becomes the most recent.
+        before = m.touched
+        out = mgr.prepare_store([k[oldest]], ctx)
+        assert out is not None and out.keys_to_store == []
+        assert wait_for(lambda: m.touched > before)
+
+        rank.fill(0, 999)
+        rank.run(True, tenant, [h[n]], [0])  # one more block: one eviction
+        assert wait_for(lambda: not m.contains(tenant, h[oldest + 1]))
+        assert m.contains(tenant, h[oldest]), "the block in use was evicted"
+        assert m.contains(tenant, h[n])
+    finally:
+        mgr.shutdown()
+        rank.worker.shutdown()
+        d.stop()

@@ -118,8 +118,10 @@ class DaemonMirror:
         self._discoverer: threading.Thread | None = None
         # Tenants named on the observer pool, so its event stream carries them.
         self._introduced: set[bytes] = set()
-        self._intro_q: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        # (tenant, hashes): hashes empty = only name the tenant (introduce)
+        self._intro_q: queue.SimpleQueue[tuple[bytes, list[bytes]]] = queue.SimpleQueue()
         self._introducer: threading.Thread | None = None
+        self.touched = 0  # hashes the daemon confirmed touched (recency), for tests
         self.resyncs = 0
         self.resets = 0
         self._thread = threading.Thread(target=self._run, name=f"kvseal-mirror-{rank}", daemon=True)
@@ -141,7 +143,26 @@ class DaemonMirror:
         if tenant in self._introduced:
             return
         self._introduced.add(tenant)
-        self._intro_q.put(tenant)
+        self._intro_q.put((tenant, []))
+        self._start_introducer()
+
+    def touch(self, tenant: bytes, hashes: Iterable[bytes]) -> None:
+        """Mark blocks as just used in the daemon's LRU, in the background.
+
+        vLLM offers every block of a request for store, also those the tier
+        already holds; the manager skips those (no re-encryption), and this is
+        how their use still counts: without it, a prefix the engine keeps
+        serving from its own cache ages in the tier and is evicted first, just
+        before the engine evicts it too (vLLM's own CPU manager touches such
+        blocks at request end). Never on the scheduler thread: one coalesced
+        Touch per tenant per round of the background thread; a failed Touch
+        changes nothing but recency and is logged, not retried."""
+        hs = list(hashes)
+        if hs:
+            self._intro_q.put((tenant, hs))
+            self._start_introducer()
+
+    def _start_introducer(self) -> None:
         if self._introducer is None:
             self._introducer = threading.Thread(
                 target=self._introduce_run, name=f"kvseal-introduce-{self.rank}", daemon=True
@@ -151,16 +172,31 @@ class DaemonMirror:
     def _introduce_run(self) -> None:
         while not self._stop.is_set():
             try:
-                tenant = self._intro_q.get(timeout=0.2)
+                first = self._intro_q.get(timeout=0.2)
             except queue.Empty:
                 continue
+            # Coalesce whatever else is queued: one Touch per tenant per round.
+            todo: dict[bytes, dict[bytes, None]] = {}  # ordered, deduplicated
+            item: tuple[bytes, list[bytes]] | None = first
+            while item is not None:
+                tenant, hs = item
+                todo.setdefault(tenant, {}).update(dict.fromkeys(hs or [_INTRO_HASH]))
+                try:
+                    item = self._intro_q.get_nowait()
+                except queue.Empty:
+                    item = None
             pool_id = self.pool_id
             if pool_id is None:
-                continue  # re-introduced after the next registration (_register)
-            try:
-                self._client.touch(pool_id, tenant, [_INTRO_HASH])
-            except KVSealRpcError as e:
-                log.info("kvseal mirror %d: naming a tenant failed: %s", self.rank, e)
+                continue  # tenants are re-introduced after the next registration
+            for tenant, hset in todo.items():
+                hl = list(hset)
+                for i in range(0, len(hl), RESYNC_BATCH):
+                    try:
+                        n = self._client.touch(pool_id, tenant, hl[i : i + RESYNC_BATCH])
+                    except KVSealRpcError as e:
+                        log.info("kvseal mirror %d: Touch failed: %s", self.rank, e)
+                        break
+                    self.touched += n
 
     def known_absent(self, tenant: bytes, h: bytes) -> bool:
         return (tenant, h) in self._absent
@@ -244,7 +280,7 @@ class DaemonMirror:
         self._hold = PoolHold(self._client._stub, h.pool_id, retry=True)
         # A new registration has named no tenant yet: name every one we know.
         for tenant in list(self._introduced):
-            self._intro_q.put(tenant)
+            self._intro_q.put((tenant, []))
 
     def _watch(self) -> object:
         """Open the event stream now (not lazily, as ``KVSealClient.watch_events``

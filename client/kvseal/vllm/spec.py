@@ -245,6 +245,10 @@ class KVSealOffloadingManager(OffloadingManager):
         ready = self._ready.get(tenant, set())
         ordered = list(keys_)
         to_store = [k for k in ordered if self._h(k) not in ready]
+        if len(to_store) < len(ordered):  # held already: their use still counts
+            held = [self._h(k) for k in ordered if self._h(k) in ready]
+            for m in self.mirrors:
+                m.touch(tenant, held)
         if not to_store:
             return PrepareStoreOutput(
                 keys_to_store=[], store_spec=KVSealLoadStoreSpec(tenant, []), evicted_keys=[]
