@@ -69,7 +69,8 @@ class PrivateBuffer:
 
 class StagingPool:
     """Reusable restore staging: :meth:`take` gives the smallest idle buffer
-    that fits (or a new one, rounded up to whole huge pages), :meth:`give`
+    that fits (or a new one, rounded up to whole pages, huge pages from
+    2 MiB on), :meth:`give`
     keeps it for the next request while the idle buffers total at most
     ``limit`` bytes, and unmaps it otherwise. Thread-safe.
 
@@ -92,7 +93,8 @@ class StagingPool:
             for i, b in enumerate(self._free):
                 if b.size >= n:
                     return self._free.pop(i)
-        return PrivateBuffer(max(_HUGE, -(-n // _HUGE) * _HUGE))
+        unit = _HUGE if n >= _HUGE else mmap.PAGESIZE
+        return PrivateBuffer(max(unit, -(-n // unit) * unit))
 
     def give(self, buf: PrivateBuffer) -> None:
         with self._lock:
