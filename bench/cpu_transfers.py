@@ -183,16 +183,17 @@ class ThroughDaemon:
 
 def kernel_copies(pool: CpuMappedPool, n: int) -> tuple[float, float]:
     """Seconds for one thread to ``preadv`` pages 0..n-1 into private memory
-    and ``pwritev`` them back (the CPU backend's own calls), best of 3."""
+    and ``pwritev`` them back (the CPU backend's own calls, whole blocks),
+    best of 3."""
     size = pool.block_bytes
     buf = PrivateBuffer(n * size)
     try:
-        chunks = pool.chunks(size)
         pages, starts = list(range(n)), [i * size for i in range(n)]
+        into = [pool.bound(size, buf.view[p * size : (p + 1) * size])[0] for p in pages]
 
         def gather() -> None:
             for p in pages:
-                pool.read_chunk(p, chunks[0], buf.view[p * size :])
+                pool.read_chunk(p, into[p])
 
         def scatter() -> None:
             pool.write_pages(pages, buf.view, starts, lambda: None)

@@ -243,7 +243,7 @@ class CpuBackend:
             writes: set[int] = set()
             started.append(writes)
             bounce = self._bounce.get(self._chunk)
-            chunks = pool.chunks(self._chunk)
+            chunks = pool.bound(self._chunk, bounce.view)
             try:
                 for i, blk in enumerate(blocks[a:b], start=a):
                     # Before every page read: past the cutoff the engine may
@@ -253,7 +253,7 @@ class CpuBackend:
                     try:
                         for chunk in chunks:
                             start, n = chunk[0], chunk[1]
-                            pool.read_chunk(blk.page, chunk, bounce.view)
+                            pool.read_chunk(blk.page, chunk)
                             stream.update(bounce.view[:n])
                             writes.add(i)
                             publish(blk.extent.offset + start, bounce, n)
@@ -347,7 +347,7 @@ class CpuBackend:
 
                 def scatter(a: int, b: int) -> list[None]:
                     # Each thread starts at another segment (see write_pages).
-                    rotate = a * pool.segment_runs // len(blocks)
+                    rotate = a * pool.segment_runs // max(1, len(blocks))
                     pool.write_pages(pages[a:b], staging.view, starts[a:b], check, rotate)
                     return []
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
 
 from kvseal.server.errors import HandleUnusable
@@ -22,6 +23,9 @@ _IOV_MAX = 1024  # Linux UIO_MAXIOV: buffers per preadv/pwritev
 # chunk, bytes, object name); a chunk: (start in the block, bytes, its reads).
 Read = tuple[int, int, int, int, int, str]
 Chunk = tuple[int, int, tuple[Read, ...]]
+# The same with each read's destination bound: (fd, offset, stride, iovec, bytes, name).
+BoundRead = tuple[int, int, int, tuple[memoryview], int, str]
+BoundChunk = tuple[int, int, tuple[BoundRead, ...]]
 
 
 class CpuMappedPool:
@@ -62,6 +66,8 @@ class CpuMappedPool:
         # segments that are adjacent in one object are merged into one run.
         self._runs: list[tuple[int, int, int, int, int, str]] = []
         self._plans: dict[int, tuple[Chunk, ...]] = {}
+        self._bound: dict[tuple[int, int], tuple[memoryview, tuple[BoundChunk, ...]]] = {}
+        self._cache_lock = threading.Lock()  # sealing threads share the pool
         g = spec.geometry
         try:
             memory = []
@@ -161,17 +167,43 @@ class CpuMappedPool:
             plan = self._plans[size] = tuple(out)
         return plan
 
-    def read_chunk(self, page: int, chunk: Chunk, dst: memoryview) -> None:
-        """Read one chunk of page ``page`` (checked by the caller) into the
-        first ``chunk[1]`` bytes of ``dst`` (private to the caller), each byte
-        once. Raises HandleUnusable if the engine's object ends early or
-        cannot be read; ``dst`` is then partly filled and must not be used."""
+    def bound(self, size: int, dst: memoryview) -> tuple[BoundChunk, ...]:
+        """:meth:`chunks` with each read's destination taken in ``dst`` (one
+        caller-private buffer of at least ``size`` bytes, reused for every
+        chunk): ``(start in the block, bytes, reads)``, each read ``(fd, file
+        offset of page 0, page stride, iovec, bytes, object name)``. Cached
+        per ``dst`` (a bounce buffer lives as long as its thread), so the copy
+        loop allocates nothing."""
+        key = (size, id(dst))
+        with self._cache_lock:
+            hit = self._bound.get(key)
+            if hit is None or hit[0] is not dst:
+                if len(self._bound) >= 16:
+                    del self._bound[next(iter(self._bound))]
+                plan = tuple(
+                    (
+                        c0,
+                        n,
+                        tuple(
+                            (fd, at, st, (dst[p : p + k],), k, nm) for fd, at, st, p, k, nm in rd
+                        ),
+                    )
+                    for c0, n, rd in self.chunks(size)
+                )
+                hit = self._bound[key] = (dst, plan)
+        return hit[1]
+
+    def read_chunk(self, page: int, chunk: BoundChunk) -> None:
+        """Read one chunk (from :meth:`bound`) of page ``page`` (checked by the
+        caller) into its private destination, each byte once. Raises
+        HandleUnusable if the engine's object ends early or cannot be read;
+        the destination is then partly filled and must not be used."""
         read = None
         try:
             for read in chunk[2]:
-                fd, at, stride, pos, n, _ = read
-                if os.preadv(fd, (dst[pos : pos + n],), at + page * stride) != n:
-                    _read_rest(fd, dst[pos : pos + n], at + page * stride)
+                fd, at, stride, iov, n, _ = read
+                if os.preadv(fd, iov, at + page * stride) != n:
+                    _read_rest(fd, iov[0], at + page * stride)
         except (OSError, _ShortRead) as e:
             assert read is not None
             raise HandleUnusable(
@@ -226,6 +258,7 @@ class CpuMappedPool:
 
     def close(self) -> None:
         self._runs = []
+        self._bound.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
