@@ -138,6 +138,12 @@ def test_staging_is_reused_up_to_the_idle_limit() -> None:
     staging.give(big)  # over the limit: unmapped, not kept
     assert staging.idle_bytes == a.size
     assert staging.take(9 << 20) is not big
+    # A buffer that fits the limit alone displaces smaller idle ones (the
+    # 64 MiB / 256 MiB / 1 GiB sequence: the largest must stay).
+    whole = staging.take(8 << 20)
+    staging.give(whole)
+    assert staging.idle_bytes == whole.size and staging.take(1) is whole
+    staging.give(whole)
     staging.close()
     assert staging.idle_bytes == 0
 

@@ -70,9 +70,8 @@ class PrivateBuffer:
 class StagingPool:
     """Reusable restore staging: :meth:`take` gives the smallest idle buffer
     that fits (or a new one, rounded up to whole pages, huge pages from
-    2 MiB on), :meth:`give`
-    keeps it for the next request while the idle buffers total at most
-    ``limit`` bytes, and unmaps it otherwise. Thread-safe.
+    2 MiB on), :meth:`give` keeps it for the next request, the idle buffers
+    totalling at most ``limit`` bytes. Thread-safe.
 
     What an idle buffer holds is the plaintext of the last restore that used
     it: private memory like the rest of the daemon's, overwritten by the next.
@@ -97,12 +96,20 @@ class StagingPool:
         return PrivateBuffer(max(unit, -(-n // unit) * unit))
 
     def give(self, buf: PrivateBuffer) -> None:
+        """Keep ``buf`` for reuse; over the limit, the smallest idle buffers go
+        first (a large buffer serves small requests too, never the reverse),
+        and ``buf`` itself if it alone is larger than the limit."""
         with self._lock:
-            if sum(b.size for b in self._free) + buf.size <= self._limit:
-                self._free.append(buf)
-                self._free.sort(key=lambda b: b.size)
-                return
-        buf.close()
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.size)
+            drop = []
+            total = sum(b.size for b in self._free)
+            while self._free and total > self._limit:
+                gone = self._free.pop(0) if self._free[-1].size <= self._limit else self._free.pop()
+                total -= gone.size
+                drop.append(gone)
+        for b in drop:
+            b.close()
 
     def close(self) -> None:
         with self._lock:
