@@ -1,5 +1,5 @@
-"""CPU-backend benchmark: sealed offload/restore through a real daemon, next
-to the two things it is made of (a plain copy and raw AES-256-GCM), plus the
+"""CPU-backend benchmark: sealed offload/restore, through a real daemon and
+in process, next to raw AES-256-GCM of the same bytes, plus the
 small-request round trip with and without the peer-credential gate.
 
 Run: ``make bench`` (or ``.venv/bin/python bench/bench_cpu.py [--quick]``).
@@ -10,15 +10,14 @@ What it does, in one run:
    private temp directory and waits for health SERVING.
 2. Registers a :class:`~kvseal.client.shm.SharedKVPool` with Qwen3-32B
    geometry (64 layers, 8 KV heads, head dim 128, bf16, 16-token pages: 4 MiB
-   blocks), filled with random bytes.
-3. For each batch size (default 16 and 64 blocks = 64 MiB and 256 MiB):
-   a. sealed offload (fresh hashes every repetition; dropped afterwards, not
-      timed) and sealed write-through restore, each one gRPC call, through
-      the daemon's public socket; median of N repetitions;
-   b. a plain copy of the same pages (``ctypes.memmove`` segment by segment,
-      the daemon's own gather) into a same-sized private buffer, one thread;
-   c. raw ``AESGCM.encrypt_into`` / ``decrypt_into`` of the same bytes, 4 MiB
-      per call, one thread; and the ratios sealed/raw.
+   blocks of 128 per-layer segments), filled with random bytes.
+3. For each batch size (default 16, 64 and 256 blocks = 64 MiB, 256 MiB and
+   1 GiB), N interleaved repetitions of: raw single-thread
+   ``AESGCM.encrypt_into``, sealed offload in process (the daemon's
+   ``CpuBackend`` classes, same thread count), sealed offload through the
+   daemon (one gRPC call, fresh hashes, dropped untimed), raw
+   ``decrypt_into``, sealed restore in process, sealed write-through restore
+   through the daemon (see ``cpu_transfers.py``). Ratios are per repetition.
 4. Round trips (``measure_round_trips``, its own daemons): a bare grpcio
    unary echo over a Unix socket (the reference row), then ``Lookup`` of one
    hash through the public socket of a default daemon (owner-only: gRPC's own
@@ -26,7 +25,7 @@ What it does, in one run:
    SO_PEERCRED relay), and straight to the latter's internal gRPC socket (a
    fresh ``.kvseal-*`` directory): p50/p99 and p50 / echo p50, the cases
    taking turns in blocks of calls. ``--round-trip-only`` runs just this.
-5. Prints the markdown tables (last), stops the daemons with SIGTERM.
+5. Prints markdown tables (last), stops the daemons with SIGTERM.
 
 Throughput is GB/s = 1e9 bytes/s of plaintext. No GPU is used.
 """
@@ -34,13 +33,11 @@ Throughput is GB/s = 1e9 bytes/s of plaintext. No GPU is used.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import glob
 import os
 import platform
 import secrets
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,8 +47,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import cpu_transfers
 import grpc
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
 from kvseal.client.shm import LAYOUTS, KVShape, SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
@@ -74,23 +71,6 @@ def cpu_label() -> str:
     except OSError:
         pass
     return f"CPU: {model or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-
-
-def median_time(
-    fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None
-) -> float:
-    times = []
-    for _ in range(reps):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -173,146 +153,9 @@ def wait_serving(d: Daemon, timeout: float = 60.0) -> None:
     raise SystemExit(f"daemon did not become SERVING in {timeout}s:\n{d.log.read_text()}")
 
 
-class PageCopier:
-    """The daemon's gather, done here: each segment's bytes of a page, by
-    address, with ``ctypes.memmove`` (which releases the GIL)."""
-
-    def __init__(self, pool: SharedKVPool) -> None:
-        self._anchors = [(ctypes.c_char * b.size).from_buffer(b.map) for b in pool.buffers]
-        bases = [ctypes.addressof(a) for a in self._anchors]
-        self.segments = [
-            (bases[s.buffer] + s.offset, s.page_stride, s.bytes) for s in pool.segments
-        ]
-        self.block_bytes = sum(n for _, _, n in self.segments)
-
-    def gather(self, page: int, dst: int) -> None:
-        pos = 0
-        for base, stride, n in self.segments:
-            ctypes.memmove(dst + pos, base + page * stride, n)
-            pos += n
-
-    def close(self) -> None:
-        self._anchors.clear()
-
-
 # ---------------------------------------------------------------- measurements
 
 
-@dataclass
-class Row:
-    blocks: int
-    nbytes: int
-    offload_s: float
-    restore_s: float
-    copy_s: float
-    enc_s: float
-    dec_s: float
-
-
-def measure_batch(
-    client: KVSealClient, pool_id: str, copier: PageCopier, blocks: int, reps: int
-) -> Row:
-    bb = copier.block_bytes
-    nbytes = blocks * bb
-    pages = list(range(blocks))
-    tenant = secrets.token_bytes(32)
-    timeout = 600.0
-
-    # (a) sealed offload: fresh hashes each repetition, dropped (untimed) after.
-    offload_times = []
-    for rep in range(reps + 1):  # first one is a warm-up
-        hashes = [secrets.token_bytes(32) for _ in pages]
-        t0 = time.perf_counter()
-        r = client.offload(pool_id, tenant, hashes, pages, timeout=timeout)
-        dt = time.perf_counter() - t0
-        if r.stored_blocks != blocks:
-            raise SystemExit(f"offload stored {r.stored_blocks} of {blocks} blocks")
-        client.drop(pool_id, tenant, hashes)
-        if rep:
-            offload_times.append(dt)
-
-    # (a) sealed restore, write-through (the blocks stay in the tier).
-    hashes = [secrets.token_bytes(32) for _ in pages]
-    client.offload(pool_id, tenant, hashes, pages, timeout=timeout)
-    restore_times = []
-    for rep in range(reps + 1):
-        t0 = time.perf_counter()
-        r2 = client.restore(pool_id, tenant, hashes, pages, release=False, timeout=timeout)
-        dt = time.perf_counter() - t0
-        if r2.restored_blocks != blocks:
-            raise SystemExit(f"restore restored {r2.restored_blocks} of {blocks} blocks")
-        if rep:
-            restore_times.append(dt)
-    client.drop(pool_id, tenant, hashes)
-
-    # (b) plain copy of the same pages into a same-sized private buffer.
-    dst = bytearray(nbytes)
-    dst_anchor = (ctypes.c_char * nbytes).from_buffer(dst)
-    dst_addr = ctypes.addressof(dst_anchor)
-
-    def copy_all() -> None:
-        for i, p in enumerate(pages):
-            copier.gather(p, dst_addr + i * bb)
-
-    copy_all()  # warm-up (faults the destination in)
-    copy_s = median_time(copy_all, reps)
-
-    # (c) raw AES-256-GCM of the same bytes, one 4 MiB block per call, one thread.
-    aead = AESGCM(AESGCM.generate_key(bit_length=256))
-    nonce = bytes(12)  # one throwaway key: nonce reuse is irrelevant here
-    aad = bytes(112)
-    src = memoryview(dst)
-    sealed = bytearray(nbytes + 16 * blocks)
-    sealed_mv = memoryview(sealed)
-    plain_out = bytearray(nbytes)
-    plain_mv = memoryview(plain_out)
-
-    def encrypt_all() -> None:
-        for i in range(blocks):
-            aead.encrypt_into(
-                nonce,
-                src[i * bb : (i + 1) * bb],
-                aad,
-                sealed_mv[i * (bb + 16) : (i + 1) * (bb + 16)],
-            )
-
-    def decrypt_all() -> None:
-        for i in range(blocks):
-            aead.decrypt_into(
-                nonce,
-                sealed_mv[i * (bb + 16) : (i + 1) * (bb + 16)],
-                aad,
-                plain_mv[i * bb : (i + 1) * bb],
-            )
-
-    encrypt_all()
-    enc_s = median_time(encrypt_all, reps)
-    decrypt_all()
-    dec_s = median_time(decrypt_all, reps)
-    if plain_out != dst:
-        raise SystemExit("raw AES-GCM round trip mismatch")
-
-    src.release()
-    sealed_mv.release()
-    plain_mv.release()
-    del dst_anchor
-    return Row(
-        blocks,
-        nbytes,
-        statistics.median(offload_times),
-        statistics.median(restore_times),
-        copy_s,
-        enc_s,
-        dec_s,
-    )
-
-
-# ---------------------------------------------------------------- round trip
-# The small-request round trip (issue 14, "Round trip"): its own daemons and
-# its own table, apart from the sealing measurements above.
-
-# A bare grpcio unary echo over a Unix socket: the floor any gRPC call pays on
-# this machine (grpcio's Python server, HTTP/2, one thread hand-off each way).
 ECHO_SERVER = r"""
 import sys
 from concurrent import futures
@@ -464,7 +307,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--blocks",
         default=None,
-        help="comma-separated batch sizes in blocks (default 16,64; --quick: 2,4)",
+        help="comma-separated batch sizes in blocks (default 16,64,256; --quick: 2,4)",
     )
     p.add_argument("--layout", choices=LAYOUTS, default="vllm_per_layer", help="pool layout")
     p.add_argument(
@@ -476,9 +319,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="round-trip calls per row (default 4000; --quick: 100)",
     )
-    p.add_argument("--workers", type=int, default=0, help="daemon sealing threads (0: its default)")
     p.add_argument(
         "--round-trip-only", action="store_true", help="only the round-trip table (no sealing)"
+    )
+    p.add_argument(
+        "--workers", type=int, default=2, help="sealing threads, daemon and in process (default 2)"
     )
     return p.parse_args(argv)
 
@@ -486,7 +331,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     batches = sorted(
-        {int(x) for x in (args.blocks or ("2,4" if args.quick else "16,64")).split(",")}
+        {int(x) for x in (args.blocks or ("2,4" if args.quick else "16,64,256")).split(",")}
     )
     if not batches or batches[0] < 1:
         raise SystemExit("--blocks must be positive integers")
@@ -496,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     block_bytes = shape.block_bytes
     # The tier holds the largest batch twice (restore set + a fresh offload) plus slack.
     host_bytes = 2 * max(batches) * block_bytes + 64 * MiB
-    extra = ["--workers", str(args.workers)] if args.workers else []
+    if args.workers < 1:
+        raise SystemExit("--workers must be positive")
+    extra = ["--workers", str(args.workers)]
 
     if args.round_trip_only:
         print(cpu_label(), flush=True)
@@ -510,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         f"blocks; layout {args.layout}; batches {batches}; {reps} reps (median)",
         flush=True,
     )
-    rows: list[Row] = []
+    load_before = cpu_transfers.load_average()
     with (
         tempfile.TemporaryDirectory(prefix="kvseal-bench-") as tmp,
         run_daemon(Path(tmp), host_bytes, extra) as daemon,
@@ -526,44 +373,30 @@ def main(argv: list[str] | None = None) -> int:
         )
         detail = client.stats().backend_detail
         print(f"daemon pid {daemon.proc.pid}: {detail}", flush=True)
-        copier = PageCopier(pool)
-        try:
-            for b in batches:
-                row = measure_batch(client, handle.pool_id, copier, b, reps)
-                rows.append(row)
-                n = row.nbytes
-                print(
-                    f"  {b} blocks: offload {gbps(n, row.offload_s):.2f} GB/s, restore "
-                    f"{gbps(n, row.restore_s):.2f} GB/s, copy {gbps(n, row.copy_s):.2f} GB/s, "
-                    f"AES enc {gbps(n, row.enc_s):.2f} / dec {gbps(n, row.dec_s):.2f} GB/s",
-                    flush=True,
-                )
-        finally:
-            copier.close()
+        rows = cpu_transfers.measure(
+            pool,
+            client,
+            handle.pool_id,
+            batches,
+            reps,
+            args.workers,
+            lambda line: print(line, flush=True),
+        )
         client.unregister_pool(handle.pool_id)
+    load_after = cpu_transfers.load_average()
 
     print()
     print(TABLE_TITLE)
     print()
     print(
-        f"{cpu_label()}; daemon: {detail}; Qwen3-32B {block_bytes // MiB} MiB blocks, layout "
-        f"{args.layout}; median of {reps}; GB/s = 1e9 B/s of plaintext"
+        f"{cpu_label()}; load average {load_before} before, {load_after} after; daemon: "
+        f"{detail}; in process: the same CpuBackend, {args.workers} threads; Qwen3-32B "
+        f"{block_bytes // MiB} MiB blocks, layout {args.layout}; median of {reps} interleaved "
+        "repetitions, ratios per repetition as median (min-max); GB/s = 1e9 B/s of plaintext"
     )
     print()
-    print(
-        "| batch | bytes | sealed offload GB/s | sealed restore GB/s | plain copy GB/s "
-        "| raw AES-GCM enc GB/s (1 thread) | raw dec GB/s (1 thread) "
-        "| offload / raw enc | restore / raw dec | offload / copy |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        sealed_off, res = gbps(r.nbytes, r.offload_s), gbps(r.nbytes, r.restore_s)
-        cp, enc, dec = gbps(r.nbytes, r.copy_s), gbps(r.nbytes, r.enc_s), gbps(r.nbytes, r.dec_s)
-        cells = [f"{r.blocks} blocks", f"{r.nbytes // MiB} MiB"] + [
-            f"{v:.2f}" for v in (sealed_off, res, cp, enc, dec)
-        ]
-        cells += [f"{sealed_off / enc:.2f}", f"{res / dec:.2f}", f"{sealed_off / cp:.2f}"]
-        print("| " + " | ".join(cells) + " |")
+    for line in cpu_transfers.table(rows):
+        print(line)
     print()
     return round_trip_table(rtt_calls)
 

@@ -868,3 +868,104 @@ def test_key_slots_are_bounded_and_a_refused_scope_leaves_nothing() -> None:
     assert sealer.live_scopes == per_page and sealer.live_epochs == per_page
     sealer.destroy_scope(NS, (0).to_bytes(32, "big"))
     seal(sealer, b"k", ad(tenant=b"\xff" * 32))  # room again
+
+
+# ---------------------------------------------------------------- streams
+
+
+def _chunks(data: bytearray, sizes: list[int]) -> Iterator[memoryview]:
+    """Consecutive views of ``data`` of the given sizes (the rest last)."""
+    mv, at = memoryview(data), 0
+    for n in [*sizes, len(data)]:
+        if at < len(data):
+            yield mv[at : min(len(data), at + n)]
+            at += n
+
+
+@pytest.mark.parametrize("sizes", [[], [1], [16, 16], [100, 7, 4096], [65536]])
+def test_streamed_seal_and_open_are_the_one_shot_format(known_key: bytes, sizes: list[int]) -> None:
+    """Chunked sealing gives the bytes and tag of ``seal_into`` (and of an
+    independent AESGCM): the host-memory format does not depend on chunking."""
+    pt = os.urandom(70001)
+    block_ad = ad(generation=99)
+    sealer = BlockSealer()
+    stream = sealer.begin_seal(block_ad, len(pt))
+    buf = bytearray(pt)
+    for view in _chunks(buf, sizes):
+        stream.update(view)
+    rec = stream.finish()
+    assert bytes(buf) + rec.tag == AESGCM(known_key).encrypt(rec.nonce, pt, block_ad.encode())
+    rec2, _ = seal(sealer, pt, block_ad)
+    assert rec2.nonce != rec.nonce  # a fresh nonce per block, streamed or not
+    assert open_(sealer, rec, block_ad, bytes(buf) + rec.tag) == pt
+    opened = sealer.begin_open(rec, block_ad, len(pt))
+    for view in _chunks(buf, sizes[::-1]):
+        opened.update(view)
+    opened.finish()
+    assert bytes(buf) == pt
+
+
+def test_streamed_open_rejects_tampering_and_wrong_lengths() -> None:
+    sealer = BlockSealer()
+    pt = os.urandom(1000)
+    rec, sealed = seal(sealer, pt, ad())
+    bad = bytearray(flip(sealed[:1000], 8 * 999 + 3))
+    s = sealer.begin_open(rec, ad(), 1000)
+    s.update(memoryview(bad))
+    with pytest.raises(AuthenticationFailed):
+        s.finish()
+    s = sealer.begin_open(rec, ad(generation=8), 1000)  # AAD bound
+    s.update(memoryview(bytearray(sealed[:1000])))
+    with pytest.raises(AuthenticationFailed):
+        s.finish()
+    s = sealer.begin_open(rec, ad(), 1000)
+    s.update(memoryview(bytearray(sealed[:999])))
+    with pytest.raises(SealingError):  # a byte missing is misuse, never success
+        s.finish()
+    s = sealer.begin_open(rec, ad(), 1000)
+    with pytest.raises(SealingError):
+        s.update(memoryview(bytearray(1001)))
+    with pytest.raises(SealingError):
+        s.finish()  # aborted by the misuse
+
+
+def test_aborted_or_short_seal_stream_burns_its_nonce_and_releases_the_epoch() -> None:
+    sealer = BlockSealer()
+    s = sealer.begin_seal(ad(), 64)
+    s.update(memoryview(bytearray(32)))
+    with pytest.raises(SealingError):
+        s.finish()  # 32 bytes never sealed: no record
+    assert sealer.live_scopes == 0 and sealer.live_epochs == 0  # its reference went
+    kept, _ = seal(sealer, b"kept", ad())  # keeps the epoch (and its key) alive
+    s = sealer.begin_seal(ad(), 8)
+    s.abort()
+    s.abort()  # idempotent
+    assert sealer._epochs[kept.epoch].live == 1  # the aborted block's reference went
+    rec, _ = seal(sealer, b"x", ad())
+    counters = [struct.unpack(">Q", r.nonce[4:])[0] for r in (kept, rec)]
+    assert rec.epoch == kept.epoch and counters == [0, 2]  # nonce 1 burnt, never reused
+    with pytest.raises(SealingError):
+        s.update(memoryview(bytearray(1)))
+
+
+def test_scope_destroyed_during_a_stream_is_key_destroyed_even_if_its_slot_is_reused() -> None:
+    """The context was built from the key under the lock; a drop in the middle
+    wipes the slot (another scope may take it at once): finish refuses, so
+    nothing sealed or opened under the old key is used."""
+    sealer = BlockSealer()
+    rec, sealed = seal(sealer, b"y" * 64, ad())
+    opening = sealer.begin_open(rec, ad(), 64)
+    sealing_ = sealer.begin_seal(ad(), 64)
+    opening.update(memoryview(bytearray(sealed[:32])))
+    sealing_.update(memoryview(bytearray(32)))
+    assert sealer.destroy_scope(NS, TENANT) == 1
+    seal(sealer, b"z", ad(tenant=b"o" * 32))  # reuses the wiped slot
+    opening.update(memoryview(bytearray(sealed[32:64])))
+    sealing_.update(memoryview(bytearray(32)))
+    with pytest.raises(KeyDestroyed):
+        opening.finish()
+    with pytest.raises(KeyDestroyed):
+        sealing_.finish()
+    with pytest.raises(KeyDestroyed):
+        sealer.begin_open(rec, ad(), 64)
+    assert sealer.live_scopes == 1  # only the other tenant's

@@ -238,6 +238,34 @@ class HostRegion:
                 raise RegionError("short write to host region")
             done += n
 
+    @property
+    def mapped(self) -> bool:
+        """Whether :meth:`write_at`/:meth:`read_at` work (the memfd region;
+        a ``--host-region`` file is only reached with ``pread``/``pwrite``)."""
+        return self._pin is not None
+
+    def write_at(self, offset: int, src: int, n: int) -> None:
+        """Publish ``n`` bytes of ciphertext from the private address ``src``
+        (which the caller keeps valid) at ``offset``: one ``memmove``, which
+        releases the GIL. Mapped regions only."""
+        if self._pin is None:
+            raise RegionError("write_at needs the mapped (memfd) region")
+        if not 0 <= offset <= self.capacity - n or n < 0:
+            raise RegionError(f"write of {n} bytes at {offset} is outside the region")
+        memmove(self._pin.address + offset, src, n)
+
+    def read_at(self, offset: int, dst: int, n: int) -> int:
+        """Snapshot ``n`` bytes at ``offset`` into the private address ``dst``
+        with one ``memmove``; returns the bytes copied (short only past the
+        region's end). Mapped regions only."""
+        if self._pin is None:
+            raise RegionError("read_at needs the mapped (memfd) region")
+        if offset < 0 or n < 0:
+            raise RegionError(f"read at negative offset {offset}")
+        n = max(0, min(n, self.capacity - offset))
+        memmove(dst, self._pin.address + offset, n)
+        return n
+
     def read_into(self, offset: int, out: memoryview) -> int:
         """Snapshot ``len(out)`` bytes at ``offset`` into private ``out``.
 

@@ -1,7 +1,11 @@
 """Sealing of KV blocks with AES-256-GCM: the one module that owns the cipher.
 
 Nothing else in kvseal imports an AES primitive. Callers never choose or see a
-key, and never choose a nonce: :meth:`BlockSealer.seal_into` allocates one.
+key, and never choose a nonce: :meth:`BlockSealer.seal_into` (a whole block)
+and :meth:`BlockSealer.begin_seal` (a block a chunk at a time) allocate one.
+Beside it: :mod:`~kvseal.server.sealformat` (the byte format, the record, the
+errors; re-exported here) and :mod:`~kvseal.server.keyarena` (where key bytes
+live).
 
 Format v1 (shared byte-for-byte with the GPU kernels, see docs/gpu-kernels.md):
 
@@ -31,19 +35,18 @@ Format v1 (shared byte-for-byte with the GPU kernels, see docs/gpu-kernels.md):
   block is forgotten, and a scope with no block left is destroyed whole (its
   next seal starts a fresh key): a key lives exactly as long as some block, or
   a seal in flight, needs it.
-- associated data (112 bytes = 7 AES blocks): ``b"KVSEAL" || u16 version ||
-  namespace(32) || tenant(32) || block_hash(32) || u64 generation`` (big
-  endian). A ciphertext moved to another block, tenant, model/geometry
-  namespace, or replayed from an older generation fails authentication.
-- the 16-byte tag is returned to the caller (the trusted index keeps it); it
-  is never read back from host memory.
+- associated data and tag: see :mod:`~kvseal.server.sealformat`.
 
-Contract on buffers: ``seal_into``/``open_into`` read and write only the
-buffers passed in, which must be *private* memory. Sealing straight into the
-hostile host region would let the host change ciphertext between the write
-and the GHASH pass (a valid tag over bytes it chose); opening straight from it
-would let the host change bytes between verification and decryption. The
-callers therefore stage through private buffers (see ``backend``).
+Contract on buffers: ``seal_into``/``open_into`` and the streams' ``update``
+read and write only the buffers passed in, which must be *private* memory.
+Sealing straight into the hostile host region would let the host change
+ciphertext between the write and the GHASH pass (a valid tag over bytes it
+chose); opening straight from it would let the host change bytes between
+verification and decryption. The callers therefore stage through private
+buffers (see ``backend``). A stream produces the same bytes as the one-shot
+calls (GCM is a stream cipher with a running GHASH), so chunking never shows
+in the format; what an :class:`OpenStream` decrypted is unauthenticated until
+its ``finish`` returns.
 
 Destroyed while in use: a scope may be destroyed while a seal or open under
 it runs (a drop races an offload or restore of the same tenant). Such a call
@@ -55,212 +58,77 @@ opened under a key that was wiped meanwhile is ever used.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
-import mmap
 import os
 import struct
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from kvseal.server.errors import BlockNotPresent, CapacityExhausted
+from kvseal.server.keyarena import KEY_BYTES, ArenaFull, KeySlot
+from kvseal.server.keyarena import KeyArena as _KeyArena
+from kvseal.server.keyarena import fill_random as _fill_random
+from kvseal.server.sealformat import (
+    AAD_BYTES,
+    FORMAT_VERSION,
+    HASH_BYTES,
+    NAMESPACE_BYTES,
+    NONCE_BYTES,
+    TAG_BYTES,
+    TENANT_BYTES,
+    AuthenticationFailed,
+    BlockAD,
+    KeyDestroyed,
+    KeyScope,
+    KeysExhausted,
+    SealingError,
+    SealRecord,
+)
+from kvseal.server.sealstream import OpenStream, SealStream
 
-FORMAT_VERSION = 1
-KEY_BYTES = 32
-NONCE_BYTES = 12
-TAG_BYTES = 16
-HASH_BYTES = 32
-TENANT_BYTES = 32
-NAMESPACE_BYTES = 32
-AAD_BYTES = 112
+__all__ = [
+    "AAD_BYTES",
+    "DEFAULT_MAX_KEYS",
+    "DEFAULT_REKEY_AFTER",
+    "FORMAT_VERSION",
+    "HASH_BYTES",
+    "KEY_BYTES",
+    "NAMESPACE_BYTES",
+    "NONCE_BYTES",
+    "TAG_BYTES",
+    "TENANT_BYTES",
+    "AuthenticationFailed",
+    "BlockAD",
+    "BlockSealer",
+    "KeyDestroyed",
+    "KeyScope",
+    "KeysExhausted",
+    "OpenStream",
+    "SealRecord",
+    "SealStream",
+    "SealingError",
+    "aes256gcm_encrypt_for_kat",
+    "self_test",
+]
+
 DEFAULT_REKEY_AFTER = 2**32
 # Live keys at most (one per live epoch): 32 MiB of arena. Every live epoch has
 # a block in the index or a seal in flight, so the region bounds this long before.
 DEFAULT_MAX_KEYS = 1 << 20
 _COUNTER_LIMIT = 2**64
-_AAD_MAGIC = b"KVSEAL" + struct.pack(">H", FORMAT_VERSION)
-_MADV_WIPEONFORK = 18  # Linux >= 4.14; not exported by the mmap module
 
 log = logging.getLogger("kvseal.sealing")
-
-KeyScope = tuple[bytes, bytes]  # (namespace, tenant)
-
-
-class SealingError(Exception):
-    """Misuse of the sealing API (wrong sizes, unknown epoch)."""
-
-
-class AuthenticationFailed(Exception):
-    """The ciphertext, tag, nonce or associated data do not authenticate.
-
-    Deliberately says nothing more: which byte or field was wrong is not
-    knowable and must not be guessed at.
-    """
-
-
-class KeyDestroyed(BlockNotPresent, SealingError):
-    """The block's key was destroyed: its scope was dropped (crypto-erase) before
-    or while this seal/open ran. Not an integrity failure (nobody tampered); the
-    block is gone, like a block that is not present (NOT_FOUND), and nothing
-    sealed or opened under the wiped key is used."""
-
-
-class KeysExhausted(CapacityExhausted, SealingError):
-    """No key slot left for a new key epoch (``max_keys`` live keys)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockAD:
-    """What a sealed block is bound to (all fields go into the AAD)."""
-
-    namespace: bytes
-    tenant: bytes
-    block_hash: bytes
-    generation: int
-
-    def encode(self) -> bytes:
-        """The 112-byte associated data of format v1."""
-        if len(self.namespace) != NAMESPACE_BYTES:
-            raise SealingError("namespace must be 32 bytes")
-        if len(self.tenant) != TENANT_BYTES:
-            raise SealingError("tenant must be 32 bytes")
-        if len(self.block_hash) != HASH_BYTES:
-            raise SealingError("block hash must be 32 bytes")
-        if not 0 <= self.generation < 2**64:
-            raise SealingError("generation out of range")
-        return (
-            _AAD_MAGIC
-            + self.namespace
-            + self.tenant
-            + self.block_hash
-            + struct.pack(">Q", self.generation)
-        )
-
-    @property
-    def scope(self) -> KeyScope:
-        """The key scope the block is sealed under."""
-        return (self.namespace, self.tenant)
-
-
-@dataclass(frozen=True, slots=True)
-class SealRecord:
-    """What the trusted index must keep to open a block again."""
-
-    epoch: int
-    nonce: bytes
-    tag: bytes
-
-
-_LIBC: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _LIBC  # noqa: PLW0603 - loaded once, on first use
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    return _LIBC
-
-
-def _fill_random(buf: ctypes.Array[ctypes.c_char]) -> None:
-    """Fill ``buf`` from the kernel CSPRNG without creating a Python bytes."""
-    n = len(buf)
-    got = _libc().getrandom(buf, ctypes.c_size_t(n), 0)
-    if got != n:  # getrandom(2) on a 32-byte request never returns short
-        raise OSError(ctypes.get_errno(), "getrandom failed")
-
-
-KeySlot = ctypes.Array[ctypes.c_char]
-
-
-class _KeyArena:
-    """Slots of 32 bytes for keys, in ``mlock``ed anonymous pages.
-
-    One locked page per 32-byte key would hit ``RLIMIT_MEMLOCK`` (often 8 MiB,
-    64 KiB on older systems) at a few thousand tenants; here one page holds 128
-    keys. The arena grows by one page whenever every slot is taken, up to
-    ``max_keys`` slots rounded up to whole pages (then :class:`KeysExhausted`),
-    keeps its pages until :meth:`close` (so it stays at the peak number of live
-    keys, 32 bytes each), and reuses freed slots first. A page ``mlock`` refuses (over the limit) is
-    used unlocked and logged once: keys stay out of Python objects either way,
-    but may then reach swap (see the README on swap in a CVM). Pages are also
-    excluded from core dumps and wiped in a forked child.
-
-    A slot is zeroed when it is given back; :meth:`close` zeroes every page.
-    Not thread-safe: the sealer's lock guards it.
-    """
-
-    def __init__(self, max_keys: int) -> None:
-        self.max_keys = max_keys
-        self.slots_per_page = mmap.PAGESIZE // KEY_BYTES
-        self._pages: list[tuple[mmap.mmap, int, bool]] = []  # (map, address, locked)
-        self._free: list[KeySlot] = []
-        self._warned = False
-
-    @property
-    def pages(self) -> int:
-        return len(self._pages)
-
-    @property
-    def unlocked_pages(self) -> int:
-        return sum(1 for _, _, locked in self._pages if not locked)
-
-    def _grow(self) -> None:
-        if (len(self._pages) + 1) * self.slots_per_page > self.max_keys and self._pages:
-            raise KeysExhausted(
-                f"{self.max_keys} key epochs are live (one per tenant and model with "
-                "blocks cached, plus seals in flight); evict or drop blocks first"
-            )
-        mem = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        for advice in (getattr(mmap, "MADV_DONTDUMP", None), _MADV_WIPEONFORK):
-            if advice is not None:
-                try:
-                    mem.madvise(advice)
-                except OSError:  # an older kernel: defence in depth only
-                    pass
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
-        locked = _libc().mlock(ctypes.c_void_p(addr), ctypes.c_size_t(mmap.PAGESIZE)) == 0
-        if not locked and not self._warned:
-            self._warned = True
-            log.warning(
-                "mlock of a key page failed (RLIMIT_MEMLOCK?): keys beyond the limit are "
-                "not locked in memory and could be swapped; raise LimitMEMLOCK"
-            )
-        self._pages.append((mem, addr, locked))
-        # Later slots last: take() pops from the end, so a page fills in order.
-        for i in reversed(range(self.slots_per_page)):
-            self._free.append((ctypes.c_char * KEY_BYTES).from_buffer(mem, i * KEY_BYTES))
-
-    def take(self) -> KeySlot:
-        """A zeroed slot (KeysExhausted when ``max_keys`` are taken)."""
-        if not self._free:
-            self._grow()
-        return self._free.pop()
-
-    def give(self, slot: KeySlot) -> None:
-        """Wipe ``slot`` and make it reusable."""
-        ctypes.memset(slot, 0, KEY_BYTES)
-        self._free.append(slot)
-
-    def close(self) -> None:
-        """Zero and unlock every page (the maps themselves go with the process:
-        slots handed out may still be referenced)."""
-        for _, addr, locked in self._pages:
-            ctypes.memset(addr, 0, mmap.PAGESIZE)
-            if locked:
-                _libc().munlock(ctypes.c_void_p(addr), ctypes.c_size_t(mmap.PAGESIZE))
-        self._pages = [(m, a, False) for m, a, _ in self._pages]
-        self._free = []
 
 
 class _Epoch:
     """One key of one scope, and its nonce counter.
 
     The key lives in an arena slot owned by the epoch, never in an immutable
-    Python ``bytes``; it is handed to ``AESGCM`` and, for the GPU backend,
-    written into a caller's buffer by :meth:`BlockSealer.export_key_to`.
+    Python ``bytes``; it is handed to ``AESGCM`` and to each streamed block's
+    context (:meth:`context`) and, for the GPU backend, written into a
+    caller's buffer by :meth:`BlockSealer.export_key_to`.
 
     ``AESGCM`` (cryptography >= 42 on OpenSSL >= 3.2) keeps no reference to
     the buffer: its constructor expands the key into two OpenSSL cipher
@@ -304,6 +172,15 @@ class _Epoch:
         # A view of the slot, not a copy (and never released: with an older
         # OpenSSL the AESGCM keeps it to rebuild a context per call).
         self.aead = AESGCM(memoryview(self._slot).cast("B"))
+
+    def context(self, nonce: bytes, tag: bytes | None) -> Cipher[modes.GCM]:
+        """A one-block GCM cipher over the key the slot holds *now* (caller
+        holds the sealer's lock, so the slot cannot be wiped or reused by
+        another key meanwhile): OpenSSL expands the key into each context it
+        builds from this, and never reads the slot again."""
+        if self._slot is None:
+            raise KeyDestroyed(f"key epoch {self.index} is destroyed")
+        return Cipher(algorithms.AES(memoryview(self._slot).cast("B")), modes.GCM(nonce, tag))
 
     def copy_key_to(self, dst: ctypes.Array[ctypes.c_char]) -> None:
         if len(dst) < KEY_BYTES:
@@ -397,7 +274,10 @@ class BlockSealer:
     def _new_epoch(self, scope: _Scope) -> _Epoch:
         """A new current epoch for ``scope`` (lock held). KeysExhausted when no
         slot is left; nothing changes then."""
-        slot = self._arena.take()
+        try:
+            slot = self._arena.take()
+        except ArenaFull as e:
+            raise KeysExhausted(str(e)) from None
         epoch = _Epoch(self._next_epoch, scope, self._arena, slot)
         try:
             self._generate_key(epoch.index, slot)
@@ -587,6 +467,46 @@ class BlockSealer:
         if epoch.destroyed:
             raise self._gone(record.epoch)
 
+    def begin_seal(self, ad: BlockAD, size: int) -> SealStream:
+        """Start sealing one block of ``size`` bytes a chunk at a time (the same
+        nonce, key and bytes as :meth:`seal_into`). The nonce is drawn now and
+        counts as a live block of its epoch until the stream is aborted (then
+        it is burnt). See :class:`SealStream`."""
+        if size < 0:
+            raise SealingError("size must not be negative")
+        aad = ad.encode()
+        with self._lock:
+            epoch = self._draw((ad.namespace, ad.tenant), 1)
+            nonce = epoch.prefix + struct.pack(">Q", epoch.counter - 1)
+            try:
+                ctx = epoch.context(nonce, None).encryptor()
+            except BaseException:
+                self._forget_locked(epoch.index)
+                raise
+        stream = SealStream(ctx, epoch, nonce, size, self.forget)
+        try:
+            ctx.authenticate_additional_data(aad)
+        except BaseException:
+            stream.abort()
+            raise
+        return stream
+
+    def begin_open(self, record: SealRecord, ad: BlockAD, size: int) -> OpenStream:
+        """Start authenticating and decrypting one block of ``size`` bytes of
+        ciphertext (its tag is ``record.tag``, from the trusted index) a chunk
+        at a time. KeyDestroyed if the record's key is gone. See
+        :class:`OpenStream`."""
+        if size < 0:
+            raise SealingError("size must not be negative")
+        aad = ad.encode()
+        with self._lock:
+            epoch = self._epochs.get(record.epoch)
+            if epoch is None:
+                raise self._gone(record.epoch)
+            ctx = epoch.context(record.nonce, record.tag).decryptor()
+        ctx.authenticate_additional_data(aad)
+        return OpenStream(ctx, epoch, size, self._gone)
+
     # ------------------------------------------------------------ lifetime
 
     def forget(self, epoch_index: int) -> None:
@@ -595,17 +515,20 @@ class BlockSealer:
         scope's current one, and the whole scope when it has no live block at
         all. Unknown or destroyed epochs are ignored."""
         with self._lock:
-            epoch = self._epochs.get(epoch_index)
-            if epoch is None:
-                return
-            scope = epoch.scope
-            if epoch.live > 0:
-                epoch.live -= 1
-                scope.live -= 1
-            if scope.live <= 0:
-                self._destroy_scope_locked(scope)
-            elif epoch.live == 0 and epoch is not scope.current:
-                self._drop_epoch(epoch)
+            self._forget_locked(epoch_index)
+
+    def _forget_locked(self, epoch_index: int) -> None:
+        epoch = self._epochs.get(epoch_index)
+        if epoch is None:
+            return
+        scope = epoch.scope
+        if epoch.live > 0:
+            epoch.live -= 1
+            scope.live -= 1
+        if scope.live <= 0:
+            self._destroy_scope_locked(scope)
+        elif epoch.live == 0 and epoch is not scope.current:
+            self._drop_epoch(epoch)
 
     def _destroy_scope_locked(self, scope: _Scope) -> int:
         if self._scopes.get(scope.key) is scope:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import stat
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,265 +33,69 @@ from typing import TypeVar
 
 from kvseal.server import telemetry
 from kvseal.server.backends.base import BlockIO, Region, note_written
+from kvseal.server.backends.cpu.shmpool import CpuMappedPool
+from kvseal.server.backends.cpu.staging import Bounce, StagingPool, publisher, snapshotter
 from kvseal.server.deadline import NO_DEADLINE, Deadline
-from kvseal.server.errors import BadRequest, HandleUnusable, ShuttingDown
+from kvseal.server.errors import BadRequest, ShuttingDown
 from kvseal.server.hostregion import HostRegion
-from kvseal.server.pools import BufferMemory, MappedPool, PoolSpec, check_disjoint
-from kvseal.server.sealing import (
-    TAG_BYTES,
-    AuthenticationFailed,
-    BlockSealer,
-    SealRecord,
-)
+from kvseal.server.pools import MappedPool, PoolSpec
+from kvseal.server.sealing import AuthenticationFailed, BlockSealer, SealRecord
 
 T = TypeVar("T")
-SHM_DIR = "/dev/shm"  # noqa: S108 - POSIX shm objects live here on Linux
 
 
-class CpuMappedPool:
-    """A pool whose buffers live in POSIX shared memory (``/dev/shm``).
-
-    The daemon opens each shared-memory object once, read-write, and never
-    maps it: ``gather`` and ``scatter`` are ``os.preadv``/``os.pwritev`` on
-    the object's fd (they release the GIL). So the engine's memory can never
-    raise a signal in the daemon: an object the engine shrinks, even while a
-    copy runs, makes the read come back short, which fails that request with
-    HandleUnusable (nothing sealed from it is published), and a write past
-    its end extends the engine's own object. Other pools are not affected.
-
-    Whose memory: the daemon opens objects with its own privileges, so it
-    accepts only objects owned by an allowed peer uid (else engine A could
-    name engine B's pool: a confused deputy), and never its own ciphertext
-    region. Names are resolved to the object behind them (``st_dev``,
-    ``st_ino``), and :func:`~kvseal.server.pools.check_disjoint` refuses a
-    geometry in which two (segment, page) pairs share a byte of one object,
-    whatever names the buffers use (the same name twice, hard links,
-    overlapping ranges): a restore into one page never writes another.
-    """
-
-    def __init__(
-        self,
-        spec: PoolSpec,
-        allowed_uids: frozenset[int] = frozenset(),
-        forbidden: frozenset[tuple[int, int]] = frozenset(),
-    ) -> None:
-        self.spec = spec
-        self._allowed = allowed_uids
-        self._forbidden = forbidden
-        self._fds: dict[str, int] = {}
-        self._sizes: dict[str, int] = {}  # each object's size when it was opened
-        # Per page, the reads/writes of one block: (fd, file offset of page 0,
-        # stride, offset in the block, bytes, object name); consecutive
-        # segments that are adjacent in one object are merged into one run.
-        self._runs: list[tuple[int, int, int, int, int, str]] = []
-        g = spec.geometry
-        try:
-            memory = []
-            for i, b in enumerate(g.buffers):
-                if b.shm_name is None:  # pragma: no cover - validated at registration
-                    raise HandleUnusable(f"geometry.buffers[{i}] has no shm_name")
-                if b.shm_name not in self._fds:
-                    self._open(b.shm_name)
-                st = os.fstat(self._fds[b.shm_name])
-                size = self._sizes[b.shm_name]
-                if b.offset + b.size > size:
-                    raise HandleUnusable(
-                        f"geometry.buffers[{i}] spans bytes [{b.offset}, {b.offset + b.size}) "
-                        f"but shared memory {b.shm_name!r} has {size} bytes"
-                    )
-                memory.append(BufferMemory((st.st_dev, st.st_ino), b.offset, b.size))
-            check_disjoint(memory, g.segments, g.num_pages)
-        except BaseException:
-            self.close()
-            raise
-        pos = 0
-        for s in g.segments:
-            b = g.buffers[s.buffer]
-            assert b.shm_name is not None
-            fd = self._fds[b.shm_name]
-            stride = s.page_stride if g.num_pages > 1 else 0
-            at = b.offset + s.offset
-            if self._runs:
-                pfd, pat, pstride, ppos, pn, name = self._runs[-1]
-                if pfd == fd and pstride == stride and pat + pn == at:
-                    self._runs[-1] = (pfd, pat, pstride, ppos, pn + s.bytes, name)
-                    pos += s.bytes
-                    continue
-            self._runs.append((fd, at, stride, pos, s.bytes, b.shm_name))
-            pos += s.bytes
-
-    def _open(self, name: str) -> None:
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            raise HandleUnusable(f"cannot open shared memory {name!r}: {e.strerror}") from e
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-                raise HandleUnusable(f"shared memory {name!r} is empty or not a memory object")
-            if self._allowed and st.st_uid not in self._allowed:
-                raise HandleUnusable(
-                    f"shared memory {name!r} is owned by uid {st.st_uid}, which is not an "
-                    "allowed peer (--allow-uid): the engine must own its pool"
-                )
-            if (st.st_dev, st.st_ino) in self._forbidden:
-                raise HandleUnusable(f"{name!r} is kvseal's own ciphertext region")
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fds[name] = fd
-        self._sizes[name] = st.st_size
-
-    def check(self) -> None:
-        """Raise HandleUnusable if an object shrank since it was opened (an
-        early, clear refusal; a shrink during the batch is caught by the
-        short read itself)."""
-        for name, fd in self._fds.items():
-            size = os.fstat(fd).st_size
-            if size < self._sizes[name]:
-                raise HandleUnusable(
-                    f"shared memory {name!r} shrank to {size} bytes while registered: "
-                    "register the pool again"
-                )
-
-    def gather(self, page: int, dst: memoryview) -> None:
-        """Read page ``page`` (checked by the caller) into the first block's
-        bytes of ``dst`` (private to the caller). Raises HandleUnusable if the
-        engine's object ends early or cannot be read; ``dst`` is then partly
-        filled and must not be used."""
-        run = None
-        try:
-            for run in self._runs:
-                fd, at, stride, pos, n, _ = run
-                if os.preadv(fd, (dst[pos : pos + n],), at + page * stride) != n:
-                    _read_rest(fd, dst[pos : pos + n], at + page * stride)
-        except (OSError, _ShortRead) as e:
-            assert run is not None
-            raise HandleUnusable(
-                f"reading page {page} of shared memory {run[5]!r} failed ({_why(e)}): "
-                "the engine shrank or broke its pool; register it again"
-            ) from e
-
-    def scatter(self, page: int, src: memoryview) -> None:
-        """Write one block of plaintext (the first block's bytes of ``src``)
-        into page ``page``. Raises
-        HandleUnusable if a write fails (e.g. no space to re-extend an object
-        the engine shrank); the page is then partly written."""
-        run = None
-        try:
-            for run in self._runs:
-                fd, at, stride, pos, n, _ = run
-                if os.pwritev(fd, (src[pos : pos + n],), at + page * stride) != n:
-                    _write_rest(fd, src[pos : pos + n], at + page * stride)
-        except (OSError, _ShortRead) as e:
-            assert run is not None
-            raise HandleUnusable(
-                f"writing page {page} of shared memory {run[5]!r} failed ({_why(e)}): "
-                "register the pool again"
-            ) from e
-
-    def close(self) -> None:
-        self._runs = []
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-class _ShortRead(Exception):
-    """The object ended before the bytes a page needs."""
-
-
-def _why(e: BaseException) -> str:
-    return e.strerror or str(e) if isinstance(e, OSError) else str(e)
-
-
-def _read_rest(fd: int, view: memoryview, at: int) -> None:
-    """Finish a read that came back short: a regular file reads short only at
-    its end, so this normally finds the end and raises _ShortRead."""
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, (view[done:],), at + done)
-        if got == 0:
-            raise _ShortRead(f"object ends before byte {at + len(view)}")
-        done += got
-
-
-def _write_rest(fd: int, view: memoryview, at: int) -> None:
-    done = 0
-    while done < len(view):
-        put = os.pwritev(fd, (view[done:],), at + done)
-        if put == 0:
-            raise _ShortRead("write made no progress")
-        done += put
-
-
-class _Scratch(threading.local):
-    """One private buffer per sealing thread (block + tag), grown on demand.
-
-    Sealing runs in place in it (``cryptography``/OpenSSL support exact
-    in-place AES-GCM; a test pins that down): one buffer instead of two
-    keeps the working set in cache.
-    """
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-
-    def get(self, n: int) -> memoryview:
-        """A view of n + 16 bytes (the block, then room for its tag)."""
-        if len(self.buf) < n + TAG_BYTES:
-            self.buf = bytearray(n + TAG_BYTES)
-        return memoryview(self.buf)[: n + TAG_BYTES]
-
-
-class _StagingPool:
-    """Reusable private restore buffers: a fresh 64 MiB ``bytearray`` costs
-    a zero-fill and page faults (slower than the AES itself). Keeps at most
-    ``limit`` bytes idle; larger or surplus buffers are simply dropped."""
-
-    def __init__(self, limit: int) -> None:
-        self._lock = threading.Lock()
-        self._free: list[bytearray] = []
-        self._limit = limit
-
-    def take(self, n: int) -> bytearray:
-        with self._lock:
-            for i, b in enumerate(self._free):
-                if len(b) >= n:
-                    return self._free.pop(i)
-        return bytearray(n)
-
-    def give(self, buf: bytearray) -> None:
-        with self._lock:
-            if sum(len(b) for b in self._free) + len(buf) <= self._limit:
-                self._free.append(buf)
-                self._free.sort(key=len)
+# Bytes of a block handled at a time per sealing thread: read from the pool,
+# sealed and published (offload), or snapshotted and opened (restore) while
+# they stay in the core's L2 cache (any size works; whole 4 KiB pages are fastest).
+CHUNK_BYTES = 256 * 1024
+# Restore staging kept for reuse (kvseal.server.staging): requests up to this
+# size pay their page faults once, not per request.
+STAGING_IDLE_BYTES = 1 << 30
 
 
 class CpuBackend:
-    """AES-256-GCM with ``cryptography`` on a few threads (it releases the GIL).
+    """AES-256-GCM with ``cryptography`` on a few threads (it releases the GIL,
+    as do ``preadv``/``pwritev`` and ``memmove``).
 
-    Offload per block: gather pages into private plaintext scratch, seal into
-    private ciphertext scratch, publish the ciphertext with one write.
-    Every step releases the GIL, so the threads run in parallel.
-    Restore per request: snapshot each ciphertext into a private per-request
-    staging buffer, open it there in place (this both verifies and decrypts),
-    and scatter into the pool only when every block verified.
+    Offload, per block, a chunk (:data:`CHUNK_BYTES`) at a time through a
+    per-thread private bounce buffer: read the chunk's pages from the
+    engine's pool (each byte once), encrypt it in place
+    (:meth:`BlockSealer.begin_seal`), publish the ciphertext with one copy.
+    The chunk stays in cache from the read to the publish, so the block
+    crosses memory once on the way in and once on the way out, as in a plain
+    ``encrypt_into``.
+
+    Restore, per request, into one private staging buffer: per block and
+    chunk, snapshot the ciphertext from the region (each byte once) and
+    decrypt it in place while it is in cache (:meth:`BlockSealer.begin_open`),
+    then check the block's tag. Only when every block of the request
+    verified are the pages written, from the staging, segment by segment
+    across consecutive pages. Nothing unauthenticated, and nothing the host
+    could change after it was read, reaches the engine's pool.
     """
 
     kind = "cpu"
 
     def __init__(
-        self, sealer: BlockSealer, workers: int, allowed_uids: frozenset[int] = frozenset()
+        self,
+        sealer: BlockSealer,
+        workers: int,
+        allowed_uids: frozenset[int] = frozenset(),
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        staging_idle_bytes: int = STAGING_IDLE_BYTES,
     ) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive")
         self._sealer = sealer
         self._allowed = allowed_uids
         self._region_ids: frozenset[tuple[int, int]] = frozenset()
         self.stopping = threading.Event()
         self._workers = max(1, workers)
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="kvseal-seal")
-        self._scratch = _Scratch()
-        self._staging = _StagingPool(limit=1 << 30)
+        self._chunk = chunk_bytes
+        self._bounce = Bounce()
+        self._staging = StagingPool(staging_idle_bytes)
         self.detail = f"cpu: AES-256-GCM (cryptography), {self._workers} sealing threads"
 
     def make_region(self, capacity: int, path: str | None) -> HostRegion:
@@ -344,23 +147,32 @@ class CpuBackend:
             note_written(e, set())  # nothing reached the region
             raise
 
-        started: list[set[int]] = []  # per chunk: blocks whose region write began
+        started: list[set[int]] = []  # per thread: blocks whose region write began
+        publish = publisher(region)
 
         def work(a: int, b: int) -> list[SealRecord]:
             records: list[SealRecord] = []
             writes: set[int] = set()
             started.append(writes)
+            bounce = self._bounce.get(self._chunk)
+            chunks = pool.bound(self._chunk, bounce.view)
             try:
                 for i, blk in enumerate(blocks[a:b], start=a):
                     # Before every page read: past the cutoff the engine may
                     # already own this page again (see kvseal.server.deadline).
                     deadline.check(f"page {blk.page}")
-                    sealed = self._scratch.get(blk.size)
-                    pool.gather(blk.page, sealed)
-                    rec = self._sealer.seal_into(sealed[: blk.size], blk.ad, sealed)
-                    records.append(rec)
-                    writes.add(i)
-                    region.write(blk.extent.offset, sealed[: blk.size])
+                    stream = self._sealer.begin_seal(blk.ad, blk.size)
+                    try:
+                        for chunk in chunks:
+                            start, n = chunk[0], chunk[1]
+                            pool.read_chunk(blk.page, chunk)
+                            stream.update(bounce.view[:n])
+                            writes.add(i)
+                            publish(blk.extent.offset + start, bounce, n)
+                        records.append(stream.finish())
+                    except BaseException:
+                        stream.abort()
+                        raise
             except BaseException:
                 # Their blocks will not be kept: release their epochs' references
                 # (the nonces stay burnt) so retired keys can still be destroyed.
@@ -392,34 +204,39 @@ class CpuBackend:
         assert isinstance(pool, CpuMappedPool)
         self._no_event(wait_event)
         pool.check()
-        offsets = [0]
+        starts = [0]
         for blk in blocks:
-            offsets.append(offsets[-1] + blk.size + TAG_BYTES)
-        # Private staging for the whole request: ciphertext is snapshotted
-        # here, then opened in place; plaintext stays here until every block
-        # has verified, so a failure anywhere writes nothing to the pool.
-        staging_buf = self._staging.take(offsets[-1])
-        staging = memoryview(staging_buf)
+            starts.append(starts[-1] + blk.size)
+        # Private staging for the whole request: plaintext stays here until
+        # every block has verified, so a failure anywhere writes nothing to the pool.
+        staging = self._staging.take(starts[-1])
+        snapshot = snapshotter(region)
+        chunk = self._chunk
 
-        def work(a: int, b: int) -> list[int]:
+        def verify(a: int, b: int) -> list[int]:
             failed = []
             for i in range(a, b):
                 deadline.check("verification")  # no page is touched here: stop early
-                blk, rec = blocks[i], records[i]
-                sealed = staging[offsets[i] : offsets[i + 1]]
-                got = region.read_into(blk.extent.offset, sealed[: blk.size])
-                sealed[blk.size :] = rec.tag
+                blk, at = blocks[i], starts[i]
+                stream = self._sealer.begin_open(records[i], blk.ad, blk.size)
                 try:
-                    if got != blk.size:  # host shrank the region: same as tampering
-                        raise AuthenticationFailed("short read")
-                    self._sealer.open_into(rec, blk.ad, sealed, sealed[: blk.size])
+                    for c0 in range(0, blk.size, chunk):
+                        n = min(chunk, blk.size - c0)
+                        # One copy of the host's bytes into private memory; only
+                        # that copy is authenticated and decrypted.
+                        if snapshot(blk.extent.offset + c0, staging, at + c0, n) != n:
+                            raise AuthenticationFailed("short read")  # the host shrank it
+                        stream.update(staging.view[at + c0 : at + c0 + n])
+                    stream.finish()
                 except AuthenticationFailed:
                     failed.append(i)
+                finally:
+                    stream.abort()  # nothing to do once finished
             return failed
 
         try:
             with telemetry.stage("copy_verify"):
-                results = self._parallel(len(blocks), work)
+                results = self._parallel(len(blocks), verify)
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
@@ -435,21 +252,23 @@ class CpuBackend:
                 # keys since they opened makes the restore serve nothing (KeyDestroyed);
                 # once the scatter starts, the restore counts as done before the drop.
                 self._sealer.require_live({r.epoch for r in records})
+                pages = [blk.page for blk in blocks]
+
+                def check() -> None:
+                    deadline.check_commit("writing the verified blocks")
+
+                def scatter(a: int, b: int) -> list[None]:
+                    # Each thread starts at another segment (see write_pages).
+                    rotate = a * pool.segment_runs // max(1, len(blocks))
+                    pool.write_pages(pages[a:b], staging.view, starts[a:b], check, rotate)
+                    return []
+
                 with telemetry.stage("scatter"):
-
-                    def scatter(a: int, b: int) -> list[None]:
-                        for i in range(a, b):
-                            deadline.check_commit("writing the verified blocks")
-                            pool.scatter(blocks[i].page, staging[offsets[i] : offsets[i + 1]])
-                        return []
-
-                    # pwritev drops the GIL: both threads' copies overlap.
                     for outcome in self._parallel(len(blocks), scatter):
                         if isinstance(outcome, BaseException):
                             raise outcome
         finally:
-            staging.release()
-            self._staging.give(staging_buf)
+            self._staging.give(staging)
         return failed
 
     def retire_keys(self) -> None:
@@ -458,3 +277,4 @@ class CpuBackend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._staging.close()
