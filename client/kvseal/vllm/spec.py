@@ -312,7 +312,12 @@ class KVSealOffloadingWorker(OffloadingWorker):
         self.rank = spec.rank
         self.block_bytes = 0
         self.kv: KVPool | None = None
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # Loads and stores on threads of their own: a request waits for its load,
+        # while a store only delays a later hit, so a load never queues behind
+        # the stores of other requests' new blocks (which would add their
+        # transfer time to every restore's TTFT).
+        self._loads: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._stores: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done: list[TransferResult] = []
         self._failed_blocks: set[int] = set()  # of failed loads get_finished reported
         self._failed_jobs: dict[int, list[int]] = {}  # failed loads not reported yet
@@ -322,7 +327,7 @@ class KVSealOffloadingWorker(OffloadingWorker):
         # Write-back: a restored block's host copy is released (the engine holds
         # it again; the daemon frees its slot). Default write-through: it stays.
         self.write_back = bool(spec.extra_config.get("kvseal_write_back", False))
-        # A stalled daemon delays only this rank's transfer thread (and the
+        # A stalled daemon delays only this rank's transfer threads (and the
         # requests waiting for a load), never the engine: bounded by this.
         timeout = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0))
         self.client = KVSealClient(
@@ -364,8 +369,12 @@ class KVSealOffloadingWorker(OffloadingWorker):
                     self.rank,
                     pool.registration_error,
                 )
-        self._thread = threading.Thread(target=self._run, name="kvseal-transfers", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, args=(q,), name=name, daemon=True)
+            for q, name in ((self._loads, "kvseal-loads"), (self._stores, "kvseal-stores"))
+        ]
+        for t in self._threads:
+            t.start()
 
     # ------------------------------------------------------------ vLLM API
 
@@ -391,7 +400,7 @@ class KVSealOffloadingWorker(OffloadingWorker):
                 log.error("kvseal: recording the job's CUDA event failed: %s", e)
         with self._cv:
             self._pending.add(job.job_id)
-        self._jobs.put(job)
+        (self._stores if job.store else self._loads).put(job)
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -418,17 +427,19 @@ class KVSealOffloadingWorker(OffloadingWorker):
             self._cv.wait_for(lambda: not (self._pending & job_ids))
 
     def shutdown(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(5.0)
+        for q in (self._loads, self._stores):
+            q.put(None)
+        for t in self._threads:
+            t.join(5.0)
         if self.kv is not None:
             self.kv.close()
         self.client.close()
 
     # ------------------------------------------------------------ thread
 
-    def _run(self) -> None:
+    def _run(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             t0 = time.monotonic()
