@@ -48,6 +48,8 @@ def _modules(src_root: Path) -> dict[str, Path]:
     found: dict[str, Path] = {}
     for path in sorted(src_root.rglob("*.py")):
         parts = list(path.relative_to(src_root).with_suffix("").parts)
+        if parts[0] == "build":  # the output of a local pip build, not source
+            continue
         if parts[-1] == "__init__":
             parts.pop()
         found[".".join(parts)] = path
