@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     with (
         tempfile.TemporaryDirectory(prefix="kvseal-bench-") as tmp,
         run_daemon(Path(tmp), host_bytes, extra) as daemon,
-        SharedKVPool(shape, args.layout, name_prefix="kvseal-bench") as pool,
+        SharedKVPool(shape, args.layout, name_prefix=f"kvseal-bench-{os.getpid()}") as pool,
         KVSealClient(ClientConfig(target=daemon.target, timeout_s=30.0)) as client,
     ):
         for buf in pool.buffers:  # random plaintext: AES speed does not depend on it, but honest
