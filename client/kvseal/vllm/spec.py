@@ -297,8 +297,10 @@ class _Job:
 
 
 class KVSealOffloadingWorker(OffloadingWorker):
-    """Worker side (see module doc). One transfer thread per worker: jobs run in
-    submission order, off vLLM's thread; the daemon batches each job's blocks.
+    """Worker side (see module doc). Two transfer threads per worker, one for
+    loads and one for stores: each kind runs in submission order, off vLLM's
+    thread, and a load never waits behind stores; the daemon batches each
+    job's blocks.
 
     The KV cache is this rank's :class:`~kvseal.vllm.kv_pool.KVPool`: on vLLM's CPU
     platform a shared-memory pool (CPU backend); on a GPU the KV tensors exported
