@@ -243,17 +243,23 @@ class KVSealOffloadingManager(OffloadingManager):
         tenant = self._tenant(req_context)
         st = self._reqs[req_context.req_id]
         ready = self._ready.get(tenant, set())
-        ordered = list(keys_)
-        to_store = [k for k in ordered if self._h(k) not in ready]
-        if len(to_store) < len(ordered):  # held already: their use still counts
-            held = [self._h(k) for k in ordered if self._h(k) in ready]
+        to_store: list[OffloadKey] = []
+        hashes: list[bytes] = []
+        held: list[bytes] = []
+        for k in keys_:
+            h = self._h(k)
+            if h in ready:
+                held.append(h)
+            else:
+                to_store.append(k)
+                hashes.append(h)
+        if held:  # held already: no copy, but their use still counts
             for m in self.mirrors:
                 m.touch(tenant, held)
         if not to_store:
             return PrepareStoreOutput(
                 keys_to_store=[], store_spec=KVSealLoadStoreSpec(tenant, []), evicted_keys=[]
             )
-        hashes = [self._h(k) for k in to_store]
         parent = b""
         pos = req_context.get_offload_key_position(to_store[0])
         if pos is not None:

@@ -1,25 +1,9 @@
-"""Backends move block bytes between an engine pool and the host region,
-sealing on the way out and verifying on the way in.
+"""The CPU backend: AES-256-GCM with ``cryptography`` on a few threads, engine
+pools read and written by fd (``shmpool``), never mapped.
 
-The contract every backend keeps (the CUDA backend in ``cuda/`` too):
-
-- ``seal_blocks`` gathers each block's pages, seals them with the shared
-  :class:`~kvseal.server.sealing.BlockSealer` format, and publishes only
-  ciphertext to its host extent. It returns one record per block (nonce, tag,
-  epoch) for the trusted index, or raises (then the records are discarded and
-  no extent is used).
-- ``open_blocks`` snapshots each block's ciphertext into private memory,
-  authenticates *every* block, and only if all of them authenticate scatters
-  the plaintext into the destination pages. It returns the indices of blocks
-  that failed; if any failed, not one byte was written to the engine's pool.
-
-Both take a :class:`~kvseal.server.deadline.Deadline` and call its ``check``
-before every block they read from or write to the pool (each touch is one
-block, so bounded); when it raises they stop, wait for every thread or stream
-they started, and raise it: a request that failed touches no page afterwards
-(the engine contract, ``kvseal.server.deadline``).
-
-Page ids and extents are validated by the caller before these are called.
+It keeps the contract of :mod:`kvseal.server.backends.base` (seal in private
+memory and publish only ciphertext; verify every block of a restore before any
+page is written; check the deadline before every block).
 """
 
 from __future__ import annotations
