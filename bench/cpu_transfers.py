@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cpu_floor import FLOOR_KINDS, Floor
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvseal.client import KVSealClient
 from kvseal.client.shm import SharedKVPool
@@ -40,7 +41,15 @@ from kvseal.server.hostregion import Extent, HostRegion, align_up
 from kvseal.server.sealing import BlockAD, BlockSealer, SealRecord
 from kvseal.v1 import kvseal_pb2 as pb
 
-KINDS = ("raw_enc", "offload", "daemon_offload", "raw_dec", "restore", "daemon_restore")
+KINDS = (
+    "raw_enc",
+    "offload",
+    "daemon_offload",
+    "raw_dec",
+    "restore",
+    "daemon_restore",
+    *FLOOR_KINDS,
+)
 TIMEOUT_S = 600.0
 
 
@@ -227,11 +236,12 @@ def measure(
     inproc = InProcess(pool, workers, top)
     raw = Raw(pool, top)
     daemon = ThroughDaemon(client, pool_id)
+    floor = Floor(pool, inproc.pool, inproc.region, workers)
     out = []
     try:
         for b in batches:
             series = Series(b, b * pool.shape.block_bytes)
-            for part in (inproc, raw, daemon):
+            for part in (inproc, raw, daemon, floor):
                 part.use(b)
             for rep in range(reps + 1):
                 for kind in KINDS:
@@ -247,8 +257,10 @@ def measure(
                         inproc.restore()
                     elif kind == "daemon_offload":
                         cleanup = daemon.offload()
-                    else:
+                    elif kind == "daemon_restore":
                         daemon.restore()
+                    else:
+                        floor.run(kind)
                     dt = time.perf_counter() - t0
                     if cleanup is not None:
                         cleanup()
@@ -264,6 +276,7 @@ def measure(
             out.append(series)
     finally:
         daemon.close()
+        floor.close()
         inproc.close()
     return out
 
@@ -304,6 +317,27 @@ def table(rows: list[Series]) -> list[str]:
             f"| {r.blocks} blocks | {r.nbytes / r.gather_s / 1e9:.2f} "
             f"| {r.nbytes / r.scatter_s / 1e9:.2f} |"
         )
+    lines += [
+        "",
+        "Copies alone, no AES (cpu_floor.py), same threads: raw time / copy time, an upper "
+        "bound on sealed / raw for that design",
+        "",
+        "| batch | offload copies, as the backend makes them (preadv + memmove) "
+        "| offload copies, mapped pool (memmove only) "
+        "| restore copies, as the backend makes them (memmove + pwritev) "
+        "| restore copies, mapped pool (memmove only) "
+        "| restore copies, mapped, per-block commit (not the contract) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = [
+            _cell(r.ratios("floor_offload_kernel", "raw_enc")),
+            _cell(r.ratios("floor_offload_mapped", "raw_enc")),
+            _cell(r.ratios("floor_restore_kernel", "raw_dec")),
+            _cell(r.ratios("floor_restore_mapped", "raw_dec")),
+            _cell(r.ratios("floor_restore_per_block", "raw_dec")),
+        ]
+        lines.append(f"| {r.blocks} blocks | " + " | ".join(cells) + " |")
     return lines
 
 

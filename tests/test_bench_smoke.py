@@ -34,6 +34,11 @@ def test_bench_cpu_quick_runs_and_prints_the_table() -> None:
     # Both tables, with a row per batch and both sockets.
     assert any(line.startswith("| batch | bytes | sealed offload GB/s") for line in lines)
     assert sum(1 for line in lines if re.match(r"^\| \d+ blocks \| \d+ MiB \|", line)) == 2
+    # The copies-alone bounds (cpu_floor.py): a ratio cell per design, per batch.
+    floor = next(i for i, line in enumerate(lines) if line.startswith("| batch | offload copies"))
+    floor_rows = lines[floor + 2 : floor + 4]
+    cell = r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)"
+    assert all(re.fullmatch(rf"\| \d+ blocks( \| {cell}){{5}} \|", r) for r in floor_rows), floor_rows
     # The round-trip table: the bare echo is its reference row, then Lookup through
     # the public socket in both socket modes, with ratios, all from this run.
     header = lines.index("| round trip | p50 µs | p99 µs | p50 / echo p50 |")
