@@ -38,7 +38,9 @@ def test_bench_cpu_quick_runs_and_prints_the_table() -> None:
     floor = next(i for i, line in enumerate(lines) if line.startswith("| batch | offload copies"))
     floor_rows = lines[floor + 2 : floor + 4]
     cell = r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)"
-    assert all(re.fullmatch(rf"\| \d+ blocks( \| {cell}){{5}} \|", r) for r in floor_rows), floor_rows
+    assert all(re.fullmatch(rf"\| \d+ blocks( \| {cell}){{5}} \|", r) for r in floor_rows), (
+        floor_rows
+    )
     # The round-trip table: the bare echo is its reference row, then Lookup through
     # the public socket in both socket modes, with ratios, all from this run.
     header = lines.index("| round trip | p50 µs | p99 µs | p50 / echo p50 |")

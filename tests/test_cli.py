@@ -73,3 +73,19 @@ def test_bad_flag_values_exit_2(tmp_path: object) -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "not a size" in r.stderr
+
+
+def test_a_relative_socket_path_works(daemon: DaemonProc) -> None:
+    """``--socket`` relative to the working directory (gRPC's ``unix://`` takes
+    absolute paths only: the CLI must not pass the relative one through)."""
+    import os
+
+    sock_dir, name = os.path.split(daemon.socket)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvseal.client.cli", "--socket", name, "health"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=sock_dir,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "SERVING", r.stderr[-2000:]

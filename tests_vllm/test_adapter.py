@@ -120,9 +120,12 @@ def test_tp2_hit_only_when_every_rank_holds_the_block(two_daemons: list[Daemon])
 
         ranks[0].run(True, alice, st.hashes, [1, 2])
         assert wait_for(lambda: mgr.mirrors[0].blocks() == 2)
-        assert mgr.lookup(k[0], ctx_a) is LookupResult.MISS  # rank 1 does not have it yet
+        # Not a hit: rank 1 does not have it yet. Its store is in flight, though, so
+        # vLLM is told to wait a step rather than recompute (a pending hit).
+        assert mgr.lookup(k[0], ctx_a) is LookupResult.HIT_PENDING
         ranks[1].run(True, alice, st.hashes, [1, 2])
         assert wait_for(lambda: mgr.lookup(k[1], ctx_a) is LookupResult.HIT)
+        mgr.complete_store(k, ctx_a)  # the connector reports the job done
         assert mgr.lookup(k[0], ctx_a) is LookupResult.HIT
         assert mgr.lookup(k[0], ctx_b) is LookupResult.MISS  # another tenant, same hash
         stored = [e for e in mgr.take_events() if not e.removed]
@@ -335,6 +338,50 @@ def test_blocks_offered_again_stay_recent_in_the_daemon(tmp_path: Path) -> None:
         assert wait_for(lambda: not m.contains(tenant, h[oldest + 1]))
         assert m.contains(tenant, h[oldest]), "the block in use was evicted"
         assert m.contains(tenant, h[n])
+    finally:
+        mgr.shutdown()
+        rank.worker.shutdown()
+        d.stop()
+
+
+def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path) -> None:
+    """While a block's store is in flight, ``lookup`` says HIT_PENDING (vLLM
+    defers the request a step instead of recomputing the block, as with its
+    own CPU manager); once the daemon announces it, HIT. A store that ended
+    without the daemon keeping the block is a miss after a short grace, and
+    a failed one at once: a pending hit never holds a request for long."""
+    d = Daemon(tmp_path / "d")
+    d.start()
+    sock = [d.target]
+    mgr = KVSealOffloadingSpec(offloading_config(sock, 0)).get_manager()
+    assert isinstance(mgr, KVSealOffloadingManager)
+    rank = Rank(sock, 0)
+    try:
+        assert wait_for(lambda: mgr.mirrors[0].synced.is_set() and rank.worker.kv is not None)
+        ctx = ReqContext(req_id="r")
+        mgr.on_new_request(ctx)
+        tenant = tenant_digest(None)
+        k = [_key(i) for i in (1, 2, 3)]
+        assert mgr.lookup(k[0], ctx) is LookupResult.MISS
+        out = mgr.prepare_store(k, ctx)
+        assert out is not None and out.keys_to_store == k
+        st = out.store_spec
+        assert isinstance(st, KVSealLoadStoreSpec)
+        assert all(mgr.lookup(kk, ctx) is LookupResult.HIT_PENDING for kk in k)
+
+        # The worker stores the first block; the daemon's announcement makes it a hit.
+        rank.fill(1, 1)
+        rank.run(True, tenant, st.hashes[:1], [1])
+        assert wait_for(lambda: mgr.lookup(k[0], ctx) is LookupResult.HIT)
+        # The job ends, but the daemon never got the second block (the worker
+        # dropped it): a pending hit for the grace only, then a miss.
+        mgr.complete_store(k[:2], ctx)
+        assert mgr.lookup(k[0], ctx) is LookupResult.HIT
+        assert mgr.lookup(k[1], ctx) is LookupResult.HIT_PENDING
+        assert wait_for(lambda: mgr.lookup(k[1], ctx) is LookupResult.MISS, timeout=5.0)
+        # A failed job: a miss at once.
+        mgr.complete_store(k[2:], ctx, success=False)
+        assert mgr.lookup(k[2], ctx) is LookupResult.MISS
     finally:
         mgr.shutdown()
         rank.worker.shutdown()

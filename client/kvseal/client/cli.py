@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from google.protobuf.json_format import MessageToDict
 from kvseal.client.client import KVSealClient
-from kvseal.client.config import ClientConfig, default_target
+from kvseal.client.config import ClientConfig, default_target, socket_target
 from kvseal.client.errors import KVSealRpcError
 from kvseal.client.hashing import chain_block_hashes, tenant_digest
 from kvseal.client.shm import LAYOUTS, KVShape, SharedKVPool
@@ -30,7 +30,7 @@ EXIT_OK, EXIT_FAIL, EXIT_UNREACHABLE = 0, 1, 2
 
 
 def _client(args: argparse.Namespace) -> KVSealClient:
-    target = args.target or (f"unix://{args.socket}" if args.socket else default_target())
+    target = args.target or (socket_target(args.socket) if args.socket else default_target())
     return KVSealClient(ClientConfig(target=target, timeout_s=args.timeout))
 
 

@@ -9,11 +9,19 @@ from dataclasses import dataclass, field
 from kvseal.client.hashing import load_tenant_key
 
 
+def socket_target(path: str) -> str:
+    """The gRPC target of a Unix socket path. ``unix://`` takes an absolute
+    path only (gRPC reads ``unix://run/k.sock`` as an authority and refuses
+    it), so a relative path is made absolute here."""
+    return "unix://" + os.path.abspath(path)
+
+
 def default_target() -> str:
-    """KVSEAL_SOCKET, else the daemon's default socket path."""
+    """KVSEAL_SOCKET (a path or a gRPC target), else the daemon's default
+    socket path."""
     sock = os.environ.get("KVSEAL_SOCKET")
     if sock:
-        return sock if "://" in sock else "unix://" + sock
+        return sock if "://" in sock else socket_target(sock)
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     base = os.path.join(runtime, "kvseal") if runtime else f"/tmp/kvseal-{os.getuid()}"  # noqa: S108
     return "unix://" + os.path.join(base, "kvseal.sock")

@@ -13,7 +13,11 @@ across salts) and a failed restore cannot be reported as a recompute.
   only when every rank's daemon holds it. It makes no RPC on the scheduler
   thread. ``prepare_store``/``prepare_load`` only describe the blocks (tenant,
   32-byte hashes); capacity and eviction are the daemon's, whose evictions and
-  integrity drops come back through the mirrors as removals.
+  integrity drops come back through the mirrors as removals. A block whose
+  store is in flight is a pending hit (``HIT_PENDING``: vLLM defers the
+  request a step instead of recomputing the block), as in vLLM's own CPU
+  manager, for a bounded time (:data:`ANNOUNCE_GRACE_S` after the store
+  completed; then a miss).
 - :class:`KVSealOffloadingWorker` (worker process) registers this rank's KV
   pool with its daemon and turns ``submit_store``/``submit_load`` into
   ``Offload``/``Restore`` calls on its own thread; ``get_finished`` reports each
@@ -59,6 +63,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 log = logging.getLogger("kvseal.vllm")
+
+# After a store job completed, how long its blocks stay pending hits while the
+# daemon's announcement travels to the mirror (normally it arrived first: the
+# Offload call returns after the commit, the event streams at once). A block
+# the daemon did not keep (dropped store, evicted at once) is a miss after it.
+ANNOUNCE_GRACE_S = 0.25
 
 DEFAULT_SOCKET = "unix:///run/kvseal/kvseal.sock"
 SHARED_TENANT = tenant_digest(None)
@@ -121,6 +131,11 @@ class KVSealOffloadingManager(OffloadingManager):
         self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes on every rank
         self._events: queue.SimpleQueue[OffloadingEvent] = queue.SimpleQueue()
         self._reverse: dict[bytes, bytes] = {}  # kvseal hash -> vLLM hash (non-identity)
+        # (tenant, hash) -> until when a block being stored is a pending hit. Only
+        # the scheduler thread (prepare_store, complete_store, lookup) touches it.
+        self._storing: dict[tuple[bytes, bytes], float] = {}
+        # A job in flight ends within the transfer timeout (the worker's bound).
+        self._store_bound_s = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0)) + 5
         self.world = spec.world_size
         self.mirrors = [
             DaemonMirror(
@@ -202,6 +217,11 @@ class KVSealOffloadingManager(OffloadingManager):
         s = self._ready.get(tenant)
         if s is not None and h in s:
             return LookupResult.HIT
+        until = self._storing.get((tenant, h))
+        if until is not None:
+            if time.monotonic() < until:
+                return LookupResult.HIT_PENDING
+            del self._storing[(tenant, h)]
         if not self.spec.discovery:
             return LookupResult.MISS
         # Discovery (opt-in): a block some rank's mirror has no word of is asked
@@ -260,6 +280,9 @@ class KVSealOffloadingManager(OffloadingManager):
             return PrepareStoreOutput(
                 keys_to_store=[], store_spec=KVSealLoadStoreSpec(tenant, []), evicted_keys=[]
             )
+        until = time.monotonic() + self._store_bound_s
+        for h in hashes:
+            self._storing[(tenant, h)] = until
         parent = b""
         pos = req_context.get_offload_key_position(to_store[0])
         if pos is not None:
@@ -274,6 +297,27 @@ class KVSealOffloadingManager(OffloadingManager):
             evicted_keys=[],  # the daemon evicts; removals arrive as events
         )
 
+    def complete_store(
+        self, keys_: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """The store job of these blocks ended: each stays a pending hit for
+        :data:`ANNOUNCE_GRACE_S` more, until the daemon's announcement makes
+        it a hit (or never: then a miss); at once a miss if the job failed."""
+        tenant = self._tenant(req_context)
+        until = time.monotonic() + ANNOUNCE_GRACE_S
+        ready = self._ready.get(tenant, set())
+        for k in keys_:
+            key = (tenant, self._h(k))
+            if key not in self._storing:
+                continue
+            if success and key[1] not in ready:
+                self._storing[key] = until
+            else:
+                del self._storing[key]
+        if len(self._storing) > 4096:  # stale ones (e.g. their tenant's requests ended)
+            now = time.monotonic()
+            self._storing = {k: t for k, t in self._storing.items() if t > now}
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         while True:
             try:
@@ -285,6 +329,7 @@ class KVSealOffloadingManager(OffloadingManager):
         # vLLM's reset drops its own view; the sealed tier keeps serving restores
         # it can verify, so only the per-request state goes.
         self._reqs.clear()
+        self._storing.clear()
 
     def shutdown(self) -> None:
         for m in self.mirrors:
@@ -335,6 +380,16 @@ class KVSealOffloadingWorker(OffloadingWorker):
         # Write-back: a restored block's host copy is released (the engine holds
         # it again; the daemon frees its slot). Default write-through: it stays.
         self.write_back = bool(spec.extra_config.get("kvseal_write_back", False))
+        if self.write_back and self.rank == 0:
+            # vLLM 0.32 offers a block for store only when it is computed, and tells a
+            # connector nothing when its own cache evicts one: a block released here
+            # is not written back, and once the engine evicts it, it is recomputed
+            # (docs/serving.md, "write-back").
+            log.warning(
+                "kvseal: write-back releases a restored block's host copy, and vLLM "
+                "cannot write it back when it evicts the block: expect less cached "
+                "than with write-through (the default)"
+            )
         # A stalled daemon delays only this rank's transfer threads (and the
         # requests waiting for a load), never the engine: bounded by this.
         timeout = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0))
