@@ -6,7 +6,7 @@
 # kvseal write-back, each kvseal arm with a real daemon.
 #
 #   make bench-serving ARGS=--quick   one short point per workload (about 6 minutes on 2 cores)
-#   make bench-serving                the sweep of docs/serving.md (about 27 minutes on 2 cores)
+#   make bench-serving                the sweep of docs/serving.md (about 31 minutes on 2 cores)
 #   make serving-report               docs/serving.md tables and docs/serving-*.png from
 #                                     docs/serving-results.json (SERVING_RESULTS=... for another)
 

@@ -147,12 +147,23 @@ def test_tp2_hit_only_when_every_rank_holds_the_block(two_daemons: list[Daemon])
         assert wait_for(lambda: mgr.lookup(k[1], ctx_a) is LookupResult.MISS)
         removed = [e for e in mgr.take_events() if e.removed]
         assert [kk for e in removed for kk in e.keys] == [k[1]]
-        # a restore of it now fails safely: reported as failed blocks, pages untouched
+        # a restore of it now fails safely from the missing block on: the block
+        # before it is restored (vLLM recomputes from the first failed block, so
+        # it keeps that one), the missing one is reported failed, its page untouched
         for b in (5, 6):
             ranks[1].buf[b * 2048 : (b + 1) * 2048] = 7
         before = block_bytes(ranks[1].buf, NUM_BLOCKS, 6)
         ranks[1].run(False, alice, st.hashes, [5, 6])
+        assert ranks[1].worker.take_failed_block_ids() == {6}
+        assert block_bytes(ranks[1].buf, NUM_BLOCKS, 5) == data[1][0]
+        assert block_bytes(ranks[1].buf, NUM_BLOCKS, 6) == before
+        assert ranks[1].worker.stats["partial_loads"] == 1
+        # the first block missing: nothing to keep, every page reported and untouched
+        ranks[1].buf[5 * 2048 : 6 * 2048] = 7
+        before5 = block_bytes(ranks[1].buf, NUM_BLOCKS, 5)
+        ranks[1].run(False, alice, [st.hashes[1], st.hashes[0]], [5, 6])
         assert ranks[1].worker.take_failed_block_ids() == {5, 6}
+        assert block_bytes(ranks[1].buf, NUM_BLOCKS, 5) == before5
         assert block_bytes(ranks[1].buf, NUM_BLOCKS, 6) == before
 
         # rank 0's daemon dies: nothing is a hit any more (its blocks are gone)

@@ -248,9 +248,16 @@ class KVSealOffloadingManager(OffloadingManager):
             m.forget(tenant, hashes)
 
     def prepare_load(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        # The daemon pins blocks for the duration of the Restore itself; a block
-        # evicted in between makes the restore fail safely (recompute).
-        return KVSealLoadStoreSpec(self._tenant(req_context), [self._h(k) for k in keys_])
+        # The daemon pins blocks only for the Restore itself; a block evicted in
+        # between fails the restore from that block on (the worker restores the
+        # blocks before it; vLLM recomputes the rest). To make that rare, the
+        # blocks become the most recent in the daemon's LRU now, in the background
+        # (vLLM's own CPU manager pins them from here until the load ends).
+        tenant = self._tenant(req_context)
+        hashes = [self._h(k) for k in keys_]
+        for m in self.mirrors:
+            m.touch(tenant, hashes)
+        return KVSealLoadStoreSpec(tenant, hashes)
 
     def touch(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> None:
         # Recency is the daemon's business (restores and re-offloads touch);
@@ -376,7 +383,13 @@ class KVSealOffloadingWorker(OffloadingWorker):
         self._failed_jobs: dict[int, list[int]] = {}  # failed loads not reported yet
         self._pending: set[int] = set()
         self._cv = threading.Condition()
-        self.stats = {"stores": 0, "loads": 0, "failed_loads": 0, "dropped_stores": 0}
+        self.stats = {
+            "stores": 0,
+            "loads": 0,
+            "failed_loads": 0,
+            "partial_loads": 0,  # failed loads whose leading blocks were restored
+            "dropped_stores": 0,
+        }
         # Write-back: a restored block's host copy is released (the engine holds
         # it again; the daemon frees its slot). Default write-through: it stays.
         self.write_back = bool(spec.extra_config.get("kvseal_write_back", False))
@@ -506,21 +519,22 @@ class KVSealOffloadingWorker(OffloadingWorker):
             if job is None:
                 return
             t0 = time.monotonic()
-            ok = False
+            failed = job.pages
             try:
-                ok = self._transfer(job)
+                failed = self._transfer(job)
             except Exception:  # never let a transfer kill the thread (vLLM would hang)
                 log.exception("kvseal: transfer job %d failed", job.job_id)
             dt = time.monotonic() - t0
             with self._cv:
                 if job.store:
                     self.stats["stores"] += 1
-                    self.stats["dropped_stores"] += not ok
+                    self.stats["dropped_stores"] += bool(failed)
                 else:
                     self.stats["loads"] += 1
-                    if not ok:
+                    if failed:
                         self.stats["failed_loads"] += 1
-                        self._failed_jobs[job.job_id] = job.pages
+                        self.stats["partial_loads"] += len(failed) < len(job.pages)
+                        self._failed_jobs[job.job_id] = failed
                 # vLLM 0.32's OffloadingConnector asserts success: a dropped store is
                 # just a later miss, and a failed load is reported as load errors.
                 self._done.append(
@@ -529,24 +543,37 @@ class KVSealOffloadingWorker(OffloadingWorker):
                 self._pending.discard(job.job_id)
                 self._cv.notify_all()
 
-    def _transfer(self, job: _Job) -> bool:
+    def _transfer(self, job: _Job) -> list[int]:
+        """Run one job; returns the pages it failed (all of a dropped store; of
+        a load, those vLLM must recompute)."""
         if not job.pages:
-            return True
+            return []
         if self.kv is None or len(job.pages) != len(job.spec.hashes):
-            return False
+            return job.pages
         if self.kv.cuda and job.event is None:
-            return False  # never without the engine's event (see _submit)
+            return job.pages  # never without the engine's event (see _submit)
+        sp = job.spec
         if job.store:
-            return self.kv.offload(
-                job.spec.tenant,
-                job.spec.hashes,
-                job.pages,
-                job.spec.parent_hash or None,
-                event=job.event,
+            ok = self.kv.offload(
+                sp.tenant, sp.hashes, job.pages, sp.parent_hash or None, event=job.event
             )
-        return self.kv.restore(
-            job.spec.tenant, job.spec.hashes, job.pages, release=self.write_back, event=job.event
-        )
+            return [] if ok else job.pages
+        if self.kv.restore(
+            sp.tenant, sp.hashes, job.pages, release=self.write_back, event=job.event
+        ):
+            return []
+        # A restore is all or nothing, so one block the daemon evicted since the
+        # scheduler's lookup (a busy tier evicts while restores queue) failed the
+        # whole job. The blocks before the first one missing are still worth a
+        # restore: vLLM recomputes from the first failed block on, so those it
+        # keeps. One Lookup (here, never on the scheduler thread) and one more
+        # Restore of that prefix; it, too, writes nothing if it fails.
+        n = self.kv.pool.lookup(sp.tenant, sp.hashes) if len(job.pages) > 1 else 0
+        if 0 < n < len(job.pages) and self.kv.restore(
+            sp.tenant, sp.hashes[:n], job.pages[:n], release=self.write_back, event=job.event
+        ):
+            return job.pages[n:]
+        return job.pages
 
 
 class KVSealOffloadingSpec(OffloadingSpec):
