@@ -369,9 +369,10 @@ def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path
     rank = Rank(sock, 0)
     try:
         assert wait_for(lambda: mgr.mirrors[0].synced.is_set() and rank.worker.kv is not None)
-        ctx = ReqContext(req_id="r")
+        note_request_salt("r-pending", "alice")  # a tenant of its own, not the shared one
+        ctx = ReqContext(req_id="r-pending")
         mgr.on_new_request(ctx)
-        tenant = tenant_digest(None)
+        tenant = tenant_digest("alice")
         k = [_key(i) for i in (1, 2, 3)]
         assert mgr.lookup(k[0], ctx) is LookupResult.MISS
         out = mgr.prepare_store(k, ctx)
@@ -385,14 +386,20 @@ def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path
         rank.run(True, tenant, st.hashes[:1], [1])
         assert wait_for(lambda: mgr.lookup(k[0], ctx) is LookupResult.HIT)
         # The job ends, but the daemon never got the second block (the worker
-        # dropped it): a pending hit for the grace only, then a miss.
+        # dropped it): a pending hit for the grace only, then a miss. vLLM may
+        # report the job after the request finished (its tenant forgotten).
+        mgr.on_request_finished(ctx)
         mgr.complete_store(k[:2], ctx)
-        assert mgr.lookup(k[0], ctx) is LookupResult.HIT
-        assert mgr.lookup(k[1], ctx) is LookupResult.HIT_PENDING
-        assert wait_for(lambda: mgr.lookup(k[1], ctx) is LookupResult.MISS, timeout=5.0)
+        note_request_salt("r-next", "alice")  # the next request of the same tenant
+        nxt = ReqContext(req_id="r-next")
+        mgr.on_new_request(nxt)
+        assert mgr.lookup(k[0], nxt) is LookupResult.HIT
+        assert mgr.lookup(k[1], nxt) is LookupResult.HIT_PENDING
+        assert wait_for(lambda: mgr.lookup(k[1], nxt) is LookupResult.MISS, timeout=5.0)
+        assert mgr.lookup(k[2], nxt) is LookupResult.HIT_PENDING  # its job still runs
         # A failed job: a miss at once.
         mgr.complete_store(k[2:], ctx, success=False)
-        assert mgr.lookup(k[2], ctx) is LookupResult.MISS
+        assert mgr.lookup(k[2], nxt) is LookupResult.MISS
     finally:
         mgr.shutdown()
         rank.worker.shutdown()

@@ -131,9 +131,11 @@ class KVSealOffloadingManager(OffloadingManager):
         self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes on every rank
         self._events: queue.SimpleQueue[OffloadingEvent] = queue.SimpleQueue()
         self._reverse: dict[bytes, bytes] = {}  # kvseal hash -> vLLM hash (non-identity)
-        # (tenant, hash) -> until when a block being stored is a pending hit. Only
-        # the scheduler thread (prepare_store, complete_store, lookup) touches it.
-        self._storing: dict[tuple[bytes, bytes], float] = {}
+        # hash -> tenant -> until when a block being stored is a pending hit. Keyed
+        # by hash first: complete_store may come after on_request_finished, when
+        # the request's tenant is no longer known. Only the scheduler thread
+        # (prepare_store, complete_store, lookup, reset_cache) touches it.
+        self._storing: dict[bytes, dict[bytes, float]] = {}
         # A job in flight ends within the transfer timeout (the worker's bound).
         self._store_bound_s = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0)) + 5
         self.world = spec.world_size
@@ -217,11 +219,12 @@ class KVSealOffloadingManager(OffloadingManager):
         s = self._ready.get(tenant)
         if s is not None and h in s:
             return LookupResult.HIT
-        until = self._storing.get((tenant, h))
+        pending = self._storing.get(h)
+        until = pending.get(tenant) if pending is not None else None
         if until is not None:
             if time.monotonic() < until:
                 return LookupResult.HIT_PENDING
-            del self._storing[(tenant, h)]
+            self._forget_store(h, tenant)
         if not self.spec.discovery:
             return LookupResult.MISS
         # Discovery (opt-in): a block some rank's mirror has no word of is asked
@@ -289,7 +292,7 @@ class KVSealOffloadingManager(OffloadingManager):
             )
         until = time.monotonic() + self._store_bound_s
         for h in hashes:
-            self._storing[(tenant, h)] = until
+            self._storing.setdefault(h, {})[tenant] = until
         parent = b""
         pos = req_context.get_offload_key_position(to_store[0])
         if pos is not None:
@@ -309,21 +312,35 @@ class KVSealOffloadingManager(OffloadingManager):
     ) -> None:
         """The store job of these blocks ended: each stays a pending hit for
         :data:`ANNOUNCE_GRACE_S` more, until the daemon's announcement makes
-        it a hit (or never: then a miss); at once a miss if the job failed."""
-        tenant = self._tenant(req_context)
+        it a hit (or never: then a miss); at once a miss if the job failed.
+
+        vLLM may call this after ``on_request_finished``, so the request's
+        tenant is not looked up (that would re-create its state): every
+        tenant with this block's store pending gets the same treatment (the
+        same hash in two tenants' stores at once is rare; the cost of a wrong
+        guess is one recompute)."""
         until = time.monotonic() + ANNOUNCE_GRACE_S
-        ready = self._ready.get(tenant, set())
         for k in keys_:
-            key = (tenant, self._h(k))
-            if key not in self._storing:
-                continue
-            if success and key[1] not in ready:
-                self._storing[key] = until
-            else:
-                del self._storing[key]
-        if len(self._storing) > 4096:  # stale ones (e.g. their tenant's requests ended)
+            h = self._h(k)
+            for tenant in list(self._storing.get(h, ())):
+                if success and h not in self._ready.get(tenant, ()):
+                    self._storing[h][tenant] = min(self._storing[h][tenant], until)
+                else:
+                    self._forget_store(h, tenant)
+        if len(self._storing) > 4096:  # stale ones (e.g. jobs that never completed)
             now = time.monotonic()
-            self._storing = {k: t for k, t in self._storing.items() if t > now}
+            self._storing = {
+                h: kept
+                for h, ts in self._storing.items()
+                if (kept := {t: u for t, u in ts.items() if u > now})
+            }
+
+    def _forget_store(self, h: bytes, tenant: bytes) -> None:
+        pending = self._storing.get(h)
+        if pending is not None:
+            pending.pop(tenant, None)
+            if not pending:
+                del self._storing[h]
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         while True:
