@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,27 @@ class Rank:
         self.worker.wait({self.jobs})
         done = self.worker.get_finished()
         assert [r.job_id for r in done] == [self.jobs] and done[0].success
+
+
+@contextmanager
+def _one_rank(
+    tmp_path: Path, **daemon: str
+) -> Iterator[tuple[Daemon, KVSealOffloadingManager, Rank]]:
+    """A daemon, a scheduler-side manager and one rank's worker, the mirror
+    synced and the pool registered; all stopped afterwards."""
+    d = Daemon(tmp_path / "d", **daemon)
+    d.start()
+    sock = [d.target]
+    mgr = KVSealOffloadingSpec(offloading_config(sock, 0)).get_manager()
+    assert isinstance(mgr, KVSealOffloadingManager)
+    rank = Rank(sock, 0)
+    try:
+        assert wait_for(lambda: mgr.mirrors[0].synced.is_set() and rank.worker.kv is not None)
+        yield d, mgr, rank
+    finally:
+        mgr.shutdown()
+        rank.worker.shutdown()
+        d.stop()
 
 
 def test_tp2_hit_only_when_every_rank_holds_the_block(two_daemons: list[Daemon]) -> None:
@@ -311,15 +333,9 @@ def test_blocks_offered_again_stay_recent_in_the_daemon(tmp_path: Path) -> None:
     copy but has the daemon touch them, in the background: the daemon's LRU
     then evicts a block nobody used, not the prefix in use (without the touch,
     exactly that prefix would go first)."""
-    d = Daemon(tmp_path / "d", host_bytes="1MiB")  # the smallest tier: ~250 test blocks
-    d.start()
-    sock = [d.target]
-    mgr = KVSealOffloadingSpec(offloading_config(sock, 0)).get_manager()
-    assert isinstance(mgr, KVSealOffloadingManager)
-    rank = Rank(sock, 0)
-    try:
+    # The smallest tier: ~250 test blocks.
+    with _one_rank(tmp_path, host_bytes="1MiB") as (d, mgr, rank):
         m = mgr.mirrors[0]
-        assert wait_for(lambda: m.synced.is_set() and rank.worker.kv is not None)
         ctx = ReqContext(req_id="r")
         mgr.on_new_request(ctx)  # names the shared tenant on the mirror
         tenant = tenant_digest(None)
@@ -349,10 +365,6 @@ def test_blocks_offered_again_stay_recent_in_the_daemon(tmp_path: Path) -> None:
         assert wait_for(lambda: not m.contains(tenant, h[oldest + 1]))
         assert m.contains(tenant, h[oldest]), "the block in use was evicted"
         assert m.contains(tenant, h[n])
-    finally:
-        mgr.shutdown()
-        rank.worker.shutdown()
-        d.stop()
 
 
 def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path) -> None:
@@ -361,14 +373,7 @@ def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path
     own CPU manager); once the daemon announces it, HIT. A store that ended
     without the daemon keeping the block is a miss after a short grace, and
     a failed one at once: a pending hit never holds a request for long."""
-    d = Daemon(tmp_path / "d")
-    d.start()
-    sock = [d.target]
-    mgr = KVSealOffloadingSpec(offloading_config(sock, 0)).get_manager()
-    assert isinstance(mgr, KVSealOffloadingManager)
-    rank = Rank(sock, 0)
-    try:
-        assert wait_for(lambda: mgr.mirrors[0].synced.is_set() and rank.worker.kv is not None)
+    with _one_rank(tmp_path) as (_, mgr, rank):
         note_request_salt("r-pending", "alice")  # a tenant of its own, not the shared one
         ctx = ReqContext(req_id="r-pending")
         mgr.on_new_request(ctx)
@@ -400,7 +405,3 @@ def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path
         # A failed job: a miss at once.
         mgr.complete_store(k[2:], ctx, success=False)
         assert mgr.lookup(k[2], nxt) is LookupResult.MISS
-    finally:
-        mgr.shutdown()
-        rank.worker.shutdown()
-        d.stop()
