@@ -405,3 +405,15 @@ def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path
         # A failed job: a miss at once.
         mgr.complete_store(k[2:], ctx, success=False)
         assert mgr.lookup(k[2], nxt) is LookupResult.MISS
+
+
+def test_socket_for_rank_makes_a_relative_path_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's ``unix://`` takes an absolute path only; a socket named relative
+    to the engine's working directory must still reach its daemon."""
+    from kvseal.vllm.spec import socket_for_rank
+
+    monkeypatch.chdir(tmp_path)
+    assert socket_for_rank({"kvseal_socket": "d/k{rank}.sock"}, 1) == f"unix://{tmp_path}/d/k1.sock"
+    assert socket_for_rank({"kvseal_sockets": ["unix:///a.sock"]}, 0) == "unix:///a.sock"

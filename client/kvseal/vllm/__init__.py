@@ -6,12 +6,14 @@ Enable it with one ``--kv-transfer-config`` line naming
 - :mod:`kvseal.vllm.connector` — the connector (vLLM's OffloadingConnector plus
   shared-memory KV cache on the CPU platform, cache_salt tenants, recompute on
   a failed restore);
-- :mod:`kvseal.vllm.spec` — ``KVSealOffloadingSpec``, its manager (scheduler
-  process, lookups answered locally) and worker (transfers off vLLM's thread);
+- :mod:`kvseal.vllm.spec` — ``KVSealOffloadingSpec`` and its worker
+  (transfers off vLLM's thread); it re-exports the manager;
+- :mod:`kvseal.vllm.manager` — the manager (scheduler process, lookups
+  answered locally, pending stores);
 - :mod:`kvseal.vllm.mirror` — the scheduler's event-fed copy of the daemon's
   index;
 - :mod:`kvseal.vllm.keys` — vLLM hashes, salts and models mapped to kvseal's.
 
 Importing this package imports neither vLLM nor torch (the submodules
-``spec`` and ``connector`` do); it never imports server code.
+``spec``, ``manager`` and ``connector`` do); it never imports server code.
 """

@@ -31,59 +31,57 @@ across salts) and a failed restore cannot be reported as a recompute.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from kvseal.client import ClientConfig, KVSealClient, tenant_digest
+from kvseal.client import ClientConfig, KVSealClient
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys
 from kvseal.vllm.kv_pool import EngineEvent, KVPool
-from kvseal.vllm.mirror import DaemonMirror
+from kvseal.vllm.manager import (  # re-exported: the spec's public names
+    ANNOUNCE_GRACE_S,
+    SHARED_TENANT,
+    KVSealLoadStoreSpec,
+    KVSealOffloadingManager,
+    note_request_salt,
+)
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
-    LookupResult,
-    Medium,
-    OffloadingEvent,
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
-    OffloadKey,
-    PrepareStoreOutput,
-    ReqContext,
-    RequestOffloadingContext,
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 log = logging.getLogger("kvseal.vllm")
 
-# After a store job completed, how long its blocks stay pending hits while the
-# daemon's announcement travels to the mirror (normally it arrived first: the
-# Offload call returns after the commit, the event streams at once). A block
-# the daemon did not keep (dropped store, evicted at once) is a miss after it.
-ANNOUNCE_GRACE_S = 0.25
+__all__ = [
+    "ANNOUNCE_GRACE_S",
+    "SHARED_TENANT",
+    "KVSealLoadStoreSpec",
+    "KVSealOffloadingManager",
+    "KVSealOffloadingSpec",
+    "KVSealOffloadingWorker",
+    "iter_workers",
+    "note_request_salt",
+    "socket_for_rank",
+]
 
 DEFAULT_SOCKET = "unix:///run/kvseal/kvseal.sock"
-SHARED_TENANT = tenant_digest(None)
 
 # Filled in by KVSealOffloadingConnector before vLLM builds the spec: the
 # engine's VllmConfig (head geometry, revision, hash algorithm) and the
 # request -> cache_salt map (vLLM's ReqContext carries no salt).
 _current_vllm_config: Any = None
-_salts: dict[str, str | None] = {}
-
-
-def note_request_salt(req_id: str, cache_salt: str | None) -> None:
-    """Record a request's ``cache_salt`` (scheduler process, before the
-    manager sees the request). Called by the connector."""
-    _salts[req_id] = cache_salt
 
 
 def socket_for_rank(extra: dict[str, Any], rank: int) -> str:
@@ -94,270 +92,8 @@ def socket_for_rank(extra: dict[str, Any], rank: int) -> str:
         s = str(socks[rank])
     else:
         s = str(extra.get("kvseal_socket", DEFAULT_SOCKET)).format(rank=rank)
-    return s if "://" in s else "unix://" + s
-
-
-@dataclass
-class KVSealLoadStoreSpec(LoadStoreSpec):
-    """What the worker needs to store or load blocks: the tenant digest (never
-    the salt), the blocks' 32-byte kvseal hashes in chain order (one per vLLM
-    block, matching the GPU spec's block ids one to one) and, for a store, the
-    hash of the block that precedes the first one in its chain."""
-
-    tenant: bytes
-    hashes: list[bytes]
-    parent_hash: bytes = b""
-
-    def __repr__(self) -> str:
-        return f"KVSealLoadStoreSpec({len(self.hashes)} blocks)"
-
-
-@dataclass
-class _ReqState:
-    tenant: bytes
-    stored_at: dict[int, bytes] = field(default_factory=dict)  # end token -> kvseal hash
-
-
-class KVSealOffloadingManager(OffloadingManager):
-    """Scheduler side (see module doc). ``lookup`` costs a few dictionary and
-    set operations; nothing here blocks on the daemon."""
-
-    def __init__(self, spec: KVSealOffloadingSpec) -> None:
-        self.spec = spec
-        self._lock = threading.Lock()
-        self._reqs: dict[str, _ReqState] = {}
-        # (tenant, hash) -> ranks whose daemon holds the block; a hit needs all.
-        self._held: dict[tuple[bytes, bytes], int] = {}
-        self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes on every rank
-        self._events: queue.SimpleQueue[OffloadingEvent] = queue.SimpleQueue()
-        self._reverse: dict[bytes, bytes] = {}  # kvseal hash -> vLLM hash (non-identity)
-        # hash -> tenant -> until when a block being stored is a pending hit. Keyed
-        # by hash first: complete_store may come after on_request_finished, when
-        # the request's tenant is no longer known. Only the scheduler thread
-        # (prepare_store, complete_store, lookup, reset_cache) touches it.
-        self._storing: dict[bytes, dict[bytes, float]] = {}
-        # A job in flight ends within the transfer timeout (the worker's bound).
-        self._store_bound_s = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0)) + 5
-        self.world = spec.world_size
-        self.mirrors = [
-            DaemonMirror(
-                rank,
-                spec.socket(rank),
-                keys.pool_name(spec.engine_id, spec.dp_index, rank, "probe"),
-                spec.fingerprint(rank),
-                spec.geometry_template(),
-                self._changed,
-            )
-            for rank in range(self.world)
-        ]
-
-    # ------------------------------------------------------------ mirror feed
-
-    def _changed(self, rank: int, tenant: bytes, h: bytes, present: bool) -> None:
-        with self._lock:
-            k = (tenant, h)
-            n = self._held.get(k, 0)
-            n = n + 1 if present else max(0, n - 1)
-            before = h in self._ready.get(tenant, ())
-            if n:
-                self._held[k] = n
-            else:
-                self._held.pop(k, None)
-            after = n >= self.world
-            if after and not before:
-                self._ready.setdefault(tenant, set()).add(h)
-            elif before and not after:
-                s = self._ready[tenant]
-                s.discard(h)
-                if not s:
-                    del self._ready[tenant]
-            else:
-                return
-            vh = self._reverse.get(h, h)
-        if self.spec.kv_events_config.enable_kv_cache_events:
-            okey = OffloadKey(keys.make_offload_key(vh, self.spec.group))
-            self._events.put(OffloadingEvent(keys=[okey], medium=Medium.CPU, removed=not after))
-
-    # ------------------------------------------------------------ helpers
-
-    def _tenant(self, req_context: ReqContext) -> bytes:
-        st = self._reqs.get(req_context.req_id)
-        if st is None:  # a request we were not told about (e.g. request_finished)
-            st = self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
-        return st.tenant
-
-    def _tenant_of(self, req_id: str) -> bytes:
-        salt = _salts.get(req_id)
-        tenant = tenant_digest(salt) if salt else SHARED_TENANT
-        for m in self.mirrors:  # so each daemon streams this tenant's events to us
-            m.introduce(tenant)
-        return tenant
-
-    def _h(self, key: OffloadKey) -> bytes:
-        vh = key[: -keys.OFFLOAD_GROUP_BYTES]
-        if len(vh) == keys.HASH_BYTES:
-            return bytes(vh)
-        h = keys.kvseal_hash(vh)
-        self._reverse[h] = bytes(vh)
-        return h
-
-    # ------------------------------------------------------------ vLLM API
-
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        # _tenant_of also names the tenant on every mirror's pool: the daemon
-        # scopes their event streams to tenants named there.
-        self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
-        return RequestOffloadingContext()
-
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        self._reqs.pop(req_context.req_id, None)
-        _salts.pop(req_context.req_id, None)
-
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        tenant = self._tenant(req_context)
-        h = self._h(key)
-        s = self._ready.get(tenant)
-        if s is not None and h in s:
-            return LookupResult.HIT
-        pending = self._storing.get(h)
-        until = pending.get(tenant) if pending is not None else None
-        if until is not None:
-            if time.monotonic() < until:
-                return LookupResult.HIT_PENDING
-            self._forget_store(h, tenant)
-        if not self.spec.discovery:
-            return LookupResult.MISS
-        # Discovery (opt-in): a block some rank's mirror has no word of is asked
-        # about in the background, and the request is looked up again next step
-        # (RETRY; vLLM keeps scanning, so all of the request's blocks are asked at
-        # once). Never for a block known absent, never waiting for a daemon away.
-        retry = False
-        for m in self.mirrors:
-            if m.contains(tenant, h):
-                continue
-            if m.known_absent(tenant, h) or not m.discover(tenant, h):
-                return LookupResult.MISS
-            retry = True
-        return LookupResult.RETRY if retry else LookupResult.MISS
-
-    def load_failed(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """A restore of these blocks failed (evicted meanwhile, failed verification,
-        daemon unreachable or slow): stop claiming them, so vLLM recomputes them
-        once and does not try (and fail) again. They come back if the daemon
-        announces them anew. Called by the connector, on the scheduler thread."""
-        tenant = self._tenant(req_context)
-        hashes = [self._h(k) for k in keys_]
-        for m in self.mirrors:
-            m.forget(tenant, hashes)
-
-    def prepare_load(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        # The daemon pins blocks only for the Restore itself; a block evicted in
-        # between fails the restore from that block on (the worker restores the
-        # blocks before it; vLLM recomputes the rest). To make that rare, the
-        # blocks become the most recent in the daemon's LRU now, in the background
-        # (vLLM's own CPU manager pins them from here until the load ends).
-        tenant = self._tenant(req_context)
-        hashes = [self._h(k) for k in keys_]
-        for m in self.mirrors:
-            m.touch(tenant, hashes)
-        return KVSealLoadStoreSpec(tenant, hashes)
-
-    def touch(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> None:
-        # Recency is the daemon's business (restores and re-offloads touch);
-        # an RPC per touch would put the daemon back on the scheduler thread.
-        return
-
-    def prepare_store(
-        self, keys_: Collection[OffloadKey], req_context: ReqContext
-    ) -> PrepareStoreOutput | None:
-        tenant = self._tenant(req_context)
-        st = self._reqs[req_context.req_id]
-        ready = self._ready.get(tenant, set())
-        to_store: list[OffloadKey] = []
-        hashes: list[bytes] = []
-        held: list[bytes] = []
-        for k in keys_:
-            h = self._h(k)
-            if h in ready:
-                held.append(h)
-            else:
-                to_store.append(k)
-                hashes.append(h)
-        if held:  # held already: no copy, but their use still counts
-            for m in self.mirrors:
-                m.touch(tenant, held)
-        if not to_store:
-            return PrepareStoreOutput(
-                keys_to_store=[], store_spec=KVSealLoadStoreSpec(tenant, []), evicted_keys=[]
-            )
-        until = time.monotonic() + self._store_bound_s
-        for h in hashes:
-            self._storing.setdefault(h, {})[tenant] = until
-        parent = b""
-        pos = req_context.get_offload_key_position(to_store[0])
-        if pos is not None:
-            parent = st.stored_at.get(pos - self.spec.tokens_per_block[0], b"")
-            for k, h in zip(to_store, hashes, strict=True):
-                p = req_context.get_offload_key_position(k)
-                if p is not None:
-                    st.stored_at[p] = h
-        return PrepareStoreOutput(
-            keys_to_store=to_store,
-            store_spec=KVSealLoadStoreSpec(tenant, hashes, parent),
-            evicted_keys=[],  # the daemon evicts; removals arrive as events
-        )
-
-    def complete_store(
-        self, keys_: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> None:
-        """The store job of these blocks ended: each stays a pending hit for
-        :data:`ANNOUNCE_GRACE_S` more, until the daemon's announcement makes
-        it a hit (or never: then a miss); at once a miss if the job failed.
-
-        vLLM may call this after ``on_request_finished``, so the request's
-        tenant is not looked up (that would re-create its state): every
-        tenant with this block's store pending gets the same treatment (the
-        same hash in two tenants' stores at once is rare; the cost of a wrong
-        guess is one recompute)."""
-        until = time.monotonic() + ANNOUNCE_GRACE_S
-        for k in keys_:
-            h = self._h(k)
-            for tenant in list(self._storing.get(h, ())):
-                if success and h not in self._ready.get(tenant, ()):
-                    self._storing[h][tenant] = min(self._storing[h][tenant], until)
-                else:
-                    self._forget_store(h, tenant)
-        if len(self._storing) > 4096:  # stale ones (e.g. jobs that never completed)
-            now = time.monotonic()
-            self._storing = {
-                h: kept
-                for h, ts in self._storing.items()
-                if (kept := {t: u for t, u in ts.items() if u > now})
-            }
-
-    def _forget_store(self, h: bytes, tenant: bytes) -> None:
-        pending = self._storing.get(h)
-        if pending is not None:
-            pending.pop(tenant, None)
-            if not pending:
-                del self._storing[h]
-
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        while True:
-            try:
-                yield self._events.get_nowait()
-            except queue.Empty:
-                return
-
-    def reset_cache(self) -> None:
-        # vLLM's reset drops its own view; the sealed tier keeps serving restores
-        # it can verify, so only the per-request state goes.
-        self._reqs.clear()
-        self._storing.clear()
-
-    def shutdown(self) -> None:
-        for m in self.mirrors:
-            m.close()
+    # gRPC's unix:// takes an absolute path only (unix://run/k.sock is an authority).
+    return s if "://" in s else "unix://" + os.path.abspath(s)
 
 
 @dataclass
