@@ -31,7 +31,6 @@ across salts) and a failed restore cannot be reported as a recompute.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvseal.client import ClientConfig, KVSealClient
+from kvseal.client.config import socket_target
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys
 from kvseal.vllm.kv_pool import EngineEvent, KVPool
@@ -92,8 +92,7 @@ def socket_for_rank(extra: dict[str, Any], rank: int) -> str:
         s = str(socks[rank])
     else:
         s = str(extra.get("kvseal_socket", DEFAULT_SOCKET)).format(rank=rank)
-    # gRPC's unix:// takes an absolute path only (unix://run/k.sock is an authority).
-    return s if "://" in s else "unix://" + os.path.abspath(s)
+    return s if "://" in s else socket_target(s)
 
 
 @dataclass
