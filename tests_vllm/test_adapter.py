@@ -376,6 +376,9 @@ def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path
     without the daemon keeping the block is a miss after a short grace, and
     a failed one at once: a pending hit never holds a request for long."""
     with _one_rank(tmp_path) as (_, mgr, rank):
+        # A grace far above the few statements between complete_store and the
+        # lookup below, so a slow CI machine cannot turn the pending hit into a miss.
+        mgr.announce_grace_s = 3.0
         note_request_salt("r-pending", "alice")  # a tenant of its own, not the shared one
         ctx = ReqContext(req_id="r-pending")
         mgr.on_new_request(ctx)
@@ -402,7 +405,7 @@ def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path
         mgr.on_new_request(nxt)
         assert mgr.lookup(k[0], nxt) is LookupResult.HIT
         assert mgr.lookup(k[1], nxt) is LookupResult.HIT_PENDING
-        assert wait_for(lambda: mgr.lookup(k[1], nxt) is LookupResult.MISS, timeout=5.0)
+        assert wait_for(lambda: mgr.lookup(k[1], nxt) is LookupResult.MISS)
         assert mgr.lookup(k[2], nxt) is LookupResult.HIT_PENDING  # its job still runs
         # A failed job: a miss at once.
         mgr.complete_store(k[2:], ctx, success=False)

@@ -122,6 +122,7 @@ class KVSealOffloadingManager(OffloadingManager):
         # the request's tenant is no longer known. Only the scheduler thread
         # (prepare_store, complete_store, lookup, reset_cache) touches it.
         self._storing: dict[bytes, dict[bytes, float]] = {}
+        self.announce_grace_s = ANNOUNCE_GRACE_S  # an attribute so tests can widen it
         # A job in flight ends within the transfer timeout (the worker's bound).
         self._store_bound_s = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0)) + 5
         self.world = spec.world_size
@@ -297,7 +298,7 @@ class KVSealOffloadingManager(OffloadingManager):
         self, keys_: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         """The store job of these blocks ended: each stays a pending hit for
-        :data:`ANNOUNCE_GRACE_S` more, until the daemon's announcement makes
+        ``announce_grace_s`` (:data:`ANNOUNCE_GRACE_S`) more, until the daemon's announcement makes
         it a hit (or never: then a miss); at once a miss if the job failed.
 
         vLLM may call this after ``on_request_finished``, so the request's
@@ -305,7 +306,7 @@ class KVSealOffloadingManager(OffloadingManager):
         tenant with this block's store pending gets the same treatment (the
         same hash in two tenants' stores at once is rare; the cost of a wrong
         guess is one recompute)."""
-        until = time.monotonic() + ANNOUNCE_GRACE_S
+        until = time.monotonic() + self.announce_grace_s
         for k in keys_:
             h = self._h(k)
             for tenant in list(self._storing.get(h, ())):
