@@ -27,6 +27,16 @@ QWEN3_32B = {"tokens_per_page": 16, "num_layers": 64, "num_kv_heads": 8, "head_d
 SMALL = {"tokens_per_page": 4, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
 
 
+def until(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    """Wait for something the daemon does asynchronously (not a timing check: the
+    bound only keeps a broken build from hanging the suite)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        time.sleep(0.02)
+
+
 @dataclass
 class DaemonProc:
     proc: subprocess.Popen[bytes]

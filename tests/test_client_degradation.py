@@ -22,7 +22,7 @@ def _engine(target: str, pool: SharedKVPool, **kw: float) -> tuple[KVSealClient,
     cfg = ClientConfig(
         target=target,
         timeout_s=1.0,
-        lookup_timeout_s=0.3,
+        lookup_timeout_s=1.0,  # the hangs below wait it out; a busy CI machine must not
         transfer_timeout_s=1.0,
         backoff_initial_s=0.05,
         backoff_max_s=0.2,

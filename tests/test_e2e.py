@@ -158,12 +158,13 @@ def test_events_stream(daemon: DaemonProc, pool_factory: Callable[..., SharedKVP
     with daemon.client() as c:
         h = c.register_pool("e", FP, pool.geometry())
         events: list[pb.BlockEvent] = []
-        subscribed = threading.Event()
         done = threading.Event()
+        c.lookup(h.pool_id, tenant, chain)  # names the tenant on the pool: its events flow
+        # watch_events returns once the daemon has subscribed the stream: the
+        # offload below cannot be missed.
+        stream = c.watch_events(h.pool_id, tenant=tenant, timeout=20)
 
         def watch() -> None:
-            stream = c.watch_events(h.pool_id, tenant=tenant, timeout=20)
-            subscribed.set()
             try:
                 for ev in stream:
                     events.append(ev)
@@ -174,16 +175,12 @@ def test_events_stream(daemon: DaemonProc, pool_factory: Callable[..., SharedKVP
 
         t = threading.Thread(target=watch)
         t.start()
-        subscribed.wait(5)
-        # The subscription becomes live server-side shortly after the call starts.
-        for _ in range(100):
-            if c.lookup(h.pool_id, tenant, chain).hit_blocks == 0:
-                c.offload(h.pool_id, tenant, chain, [0, 1])
-            if done.wait(0.05):
+        c.offload(h.pool_id, tenant, chain, [0, 1])
+        for _ in range(200):  # until the STORED event arrived (a liveness bound)
+            if events or done.wait(0.05):
                 break
-            if events:
-                c.drop(h.pool_id, tenant, chain[:1])
-        done.wait(10)
+        c.drop(h.pool_id, tenant, chain[:1])
+        done.wait(20)
         t.join(10)
     assert [e.kind for e in events] == [pb.BLOCK_STORED, pb.BLOCK_REMOVED]
     assert list(events[0].block_hashes) == chain

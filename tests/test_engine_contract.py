@@ -95,7 +95,7 @@ def test_failed_restore_never_writes_a_page_afterwards(
         pool.write_block(p, data)
     hashes = [os.urandom(32) for _ in src]
     failures: dict[str, int] = {}
-    with busy_daemon.client(transfer_timeout_s=60.0) as c:
+    with busy_daemon.client(transfer_timeout_s=60.0, lookup_timeout_s=30.0) as c:
         pid = c.register_pool("engine", FP, pool.geometry()).pool_id
         c.offload(pid, TENANT, hashes, src)
         for r, ms in enumerate(DEADLINES_MS, start=1):
@@ -130,7 +130,7 @@ def test_failed_offload_never_publishes_bytes_written_after_it(
     scratch = list(range(BLOCKS * rounds, BLOCKS * (rounds + 1)))
     sent: list[tuple[list[bytes], dict[bytes, bytes]]] = []
     failed = 0
-    with busy_daemon.client(transfer_timeout_s=60.0) as c:
+    with busy_daemon.client(transfer_timeout_s=60.0, lookup_timeout_s=30.0) as c:
         pid = c.register_pool("engine", FP, pool.geometry()).pool_id
         for r, ms in enumerate(DEADLINES_MS):
             pages = list(range(BLOCKS * r, BLOCKS * (r + 1)))

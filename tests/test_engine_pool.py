@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,20 +31,11 @@ from kvseal.client.shm import SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
 
 from .conftest import DaemonProc, is_poisoned, poison
+from .conftest import until as _until
 
 FP = b"model:test"
 TENANT = tenant_digest(None)
 HASH = [bytes([7]) * 32]
-
-
-def _until(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    """Wait for something asynchronous (the bound only keeps a broken build from
-    hanging the suite; it is not a timing check)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.02)
 
 
 def _in_thread(fn: Callable[[], Any]) -> Any:

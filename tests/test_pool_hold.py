@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from kvseal.client import ClientConfig, EnginePool, KVSealClient, KVSealRpcError
 from kvseal.client.shm import SharedKVPool
 
 from .conftest import DaemonProc, start_daemon
+from .conftest import until as _until
 
 FP = b"model:test"
 
@@ -42,16 +42,6 @@ assert engine.offload(tenant_digest(None), [bytes([17]) * 32], [0])
 print(handle.pool_id, engine.held, *[b.name for b in pool.buffers], flush=True)
 time.sleep(600)
 """
-
-
-def _until(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    """Wait for something the daemon does asynchronously (not a timing check: the
-    bound only keeps a broken build from hanging the suite)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.02)
 
 
 def _holds(pid: int) -> str:

@@ -8,7 +8,7 @@ import signal
 from kvseal.client import ClientConfig, KVSealClient
 
 from .conftest import DaemonProc
-from .test_pool_hold import _until
+from .conftest import until as _until
 
 
 def test_sigusr2_logs_thread_stacks_and_the_daemon_keeps_serving(daemon: DaemonProc) -> None:

@@ -17,9 +17,10 @@ def test_callbacks_run_in_due_order_on_one_thread() -> None:
         if len(ran) == 3:
             done.set()
 
-    d.call_later(0.2, note, "late")
+    # Delays far apart, so a slow machine between the calls cannot reorder them.
+    d.call_later(2.0, note, "late")
     d.call_later(0.0, note, "now")
-    d.call_later(0.1, note, "soon")
+    d.call_later(1.0, note, "soon")
     assert done.wait(30)
     assert [name for name, _ in ran] == ["now", "soon", "late"]
     assert len({tid for _, tid in ran}) == 1 and ran[0][1] != threading.get_ident()

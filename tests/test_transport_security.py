@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
 
-from .conftest import DaemonProc
+from .conftest import DaemonProc, until
 
 
 def test_socket_is_owner_only(daemon: DaemonProc) -> None:
@@ -46,7 +46,8 @@ def test_relayed_socket_keeps_grpc_in_a_private_directory(
     private = [p for p in sock_dir.iterdir() if p.name.startswith(".kvseal-")]
     assert len(private) == 1 and stat.S_IMODE(private[0].stat().st_mode) == 0o700
     assert [p.name for p in private[0].iterdir()] == ["grpc.sock"]
-    assert f"admitted connection from pid {os.getpid()} uid {os.getuid()}" in d.log()
+    admitted = f"admitted connection from pid {os.getpid()} uid {os.getuid()}"
+    until(lambda: admitted in d.log(), "the admission in the daemon log")
 
 
 def test_peer_uid_not_allowed_is_refused(daemon_factory: Callable[..., DaemonProc]) -> None:
@@ -62,7 +63,9 @@ def test_peer_uid_not_allowed_is_refused(daemon_factory: Callable[..., DaemonPro
         c.health()
     assert e.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert d.proc.poll() is None
-    assert f"uid {os.getuid()}: uid not in the allow list" in d.log()
+    # The gate logs the refusal on its own thread; the client may have given up first.
+    refused = f"uid {os.getuid()}: uid not in the allow list"
+    until(lambda: refused in d.log(), "the refusal in the daemon log")
 
 
 def test_allowed_uid_list_admits(daemon_factory: Callable[..., DaemonProc]) -> None:

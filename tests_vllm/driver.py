@@ -259,9 +259,11 @@ def main() -> None:
         elif t == 3:
             daemon.start()
             # Both the scheduler's observer pool and the worker's KV pool come back
-            # by themselves (the worker's on its next call after its back-off).
+            # by themselves (the worker's from its registration thread, after a
+            # back-off of at most 10 s). Wait for both, so the turns after the
+            # restart can store and restore (the test asserts they did).
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and stats().get("pools", 0) < 1:
+            while time.monotonic() < deadline and stats().get("pools", 0) < 2:
                 time.sleep(0.2)
             ph["after_restart"] = stats()
 

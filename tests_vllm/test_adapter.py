@@ -95,6 +95,13 @@ class Rank:
         assert [r.job_id for r in done] == [self.jobs] and done[0].success
 
 
+def _named(mgr: KVSealOffloadingManager, *tenants: bytes) -> bool:
+    """Wait until every mirror's daemon has the tenants named on its observer
+    pool (``on_new_request`` names them in the background): only then do the
+    stores of those tenants reach the mirrors as events."""
+    return wait_for(lambda: all(set(tenants) <= m.named for m in mgr.mirrors))
+
+
 @contextmanager
 def _one_rank(
     tmp_path: Path, **daemon: str
@@ -139,6 +146,7 @@ def test_tp2_hit_only_when_every_rank_holds_the_block(two_daemons: list[Daemon])
         # The mirrors learn of blocks from the event stream: they must be subscribed
         # before the stores (an engine's are, long before its first request).
         assert wait_for(lambda: all(m.synced.is_set() for m in mgr.mirrors))
+        assert _named(mgr, alice, tenant_digest("bob"))
 
         ranks[0].run(True, alice, st.hashes, [1, 2])
         assert wait_for(lambda: mgr.mirrors[0].blocks() == 2)
@@ -240,7 +248,7 @@ def test_mirror_resync_keeps_only_what_the_daemon_holds(two_daemons: list[Daemon
         mgr.on_new_request(ctx)
         shared = tenant_digest(None)
         m = mgr.mirrors[0]
-        assert wait_for(m.synced.is_set)
+        assert wait_for(m.synced.is_set) and _named(mgr, shared)
         worker.fill(1, 1)
         worker.run(True, shared, [bytes([1]) * 32], [1])
         assert wait_for(lambda: m.blocks() == 1)
@@ -319,6 +327,7 @@ def test_the_mirror_is_an_observer_of_the_workers_namespace(two_daemons: list[Da
                 c.offload(m.pool_id, tenant, h, [0])
             assert err.value.reason == "OBSERVER_POOL"
         mgr.on_new_request(ReqContext(req_id="r"))  # names the shared tenant on the mirror
+        assert _named(mgr, tenant)
         rank.fill(2, 2)
         rank.run(True, tenant, h, [2])
         assert wait_for(lambda: m.contains(tenant, h[0]))
@@ -339,6 +348,7 @@ def test_blocks_offered_again_stay_recent_in_the_daemon(tmp_path: Path) -> None:
         ctx = ReqContext(req_id="r")
         mgr.on_new_request(ctx)  # names the shared tenant on the mirror
         tenant = tenant_digest(None)
+        assert _named(mgr, tenant)
         k = [OffloadKey(keys.make_offload_key(i.to_bytes(2, "big") * 16, 0)) for i in range(600)]
         h = [bytes(kk[: -keys.OFFLOAD_GROUP_BYTES]) for kk in k]
         # Fill the tier one single-block chain at a time, until it evicts.
@@ -383,6 +393,7 @@ def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path
         ctx = ReqContext(req_id="r-pending")
         mgr.on_new_request(ctx)
         tenant = tenant_digest("alice")
+        assert _named(mgr, tenant)
         k = [_key(i) for i in (1, 2, 3)]
         assert mgr.lookup(k[0], ctx) is LookupResult.MISS
         out = mgr.prepare_store(k, ctx)

@@ -304,10 +304,24 @@ class KVSealClient:
         """Stream of the block events of ``pool_id``'s namespace, for the tenants
         requests on that pool have named (only ``tenant``'s when given); ends with
         KVSealRpcError: RESOURCE_EXHAUSTED if this watcher fell behind (resubscribe
-        and resync), NOT_FOUND / UNKNOWN_POOL once the pool is gone."""
+        and resync), NOT_FOUND / UNKNOWN_POOL once the pool is gone.
+
+        Returns once the daemon has subscribed the stream (its "kvseal-watch"
+        header), so no event published after the return is missed: subscribe,
+        then resync or act. A refused watch raises on the first ``next``. The
+        call is cancelled when the iterator ends or is closed."""
         call = self._stub.WatchEvents(
             pb.WatchEventsRequest(pool_id=pool_id, tenant=tenant), timeout=timeout
         )
+        try:
+            call.initial_metadata()  # blocks until subscribed (or refused: then empty)
+        except BaseException:
+            call.cancel()
+            raise
+        return self._events(call)
+
+    @staticmethod
+    def _events(call: Any) -> Iterator[pb.BlockEvent]:
         try:
             yield from call
         except grpc.RpcError as e:

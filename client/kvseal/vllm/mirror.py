@@ -96,7 +96,12 @@ class DaemonMirror:
     ) -> None:
         self.rank = rank
         self.target = target
-        self._client = KVSealClient(ClientConfig(target=target, timeout_s=2.0))
+        # Every call of the mirror runs on its own threads, never the scheduler's:
+        # a lookup may take as long as any other call (the hot-path 0.2 s bound
+        # would make a discovery on a busy daemon a permanent miss).
+        self._client = KVSealClient(
+            ClientConfig(target=target, timeout_s=2.0, lookup_timeout_s=2.0)
+        )
         self._pool_name = pool_name
         self._fingerprint = fingerprint
         self._geometry = observer_geometry(geometry)
@@ -118,6 +123,9 @@ class DaemonMirror:
         self._discoverer: threading.Thread | None = None
         # Tenants named on the observer pool, so its event stream carries them.
         self._introduced: set[bytes] = set()
+        # ...and those the daemon has confirmed named on the current registration
+        # (replaced, not cleared, on a new one: readers need no lock).
+        self.named: frozenset[bytes] = frozenset()
         # (tenant, hashes): hashes empty = only name the tenant (introduce)
         self._intro_q: queue.SimpleQueue[tuple[bytes, list[bytes]]] = queue.SimpleQueue()
         self._introducer: threading.Thread | None = None
@@ -139,7 +147,8 @@ class DaemonMirror:
         transfers go through the worker's pool, so the first time the scheduler
         meets a tenant the mirror names it on its own pool, in the background
         (one Touch), and from then on receives that tenant's events. Cheap and
-        idempotent: call it for every new request."""
+        idempotent: call it for every new request. ``named`` holds the tenants
+        the daemon confirmed; a failed introduction is retried."""
         if tenant in self._introduced:
             return
         self._introduced.add(tenant)
@@ -188,6 +197,7 @@ class DaemonMirror:
             pool_id = self.pool_id
             if pool_id is None:
                 continue  # tenants are re-introduced after the next registration
+            retry = False
             for tenant, hset in todo.items():
                 hl = list(hset)
                 for i in range(0, len(hl), RESYNC_BATCH):
@@ -195,8 +205,17 @@ class DaemonMirror:
                         n = self._client.touch(pool_id, tenant, hl[i : i + RESYNC_BATCH])
                     except KVSealRpcError as e:
                         log.info("kvseal mirror %d: Touch failed: %s", self.rank, e)
+                        if tenant not in self.named and pool_id == self.pool_id:
+                            # Unnamed, the tenant's events never reach this mirror:
+                            # name it again (recency alone is not worth a retry).
+                            self._intro_q.put((tenant, []))
+                            retry = True
                         break
                     self.touched += n
+                    if pool_id == self.pool_id:
+                        self.named = self.named | {tenant}
+            if retry:
+                self._stop.wait(self._retry_s)
 
     def known_absent(self, tenant: bytes, h: bytes) -> bool:
         return (tenant, h) in self._absent
@@ -279,6 +298,7 @@ class DaemonMirror:
             self._hold.close(wait=0)
         self._hold = PoolHold(self._client._stub, h.pool_id, retry=True)
         # A new registration has named no tenant yet: name every one we know.
+        self.named = frozenset()
         for tenant in list(self._introduced):
             self._intro_q.put((tenant, []))
 
@@ -314,6 +334,9 @@ class DaemonMirror:
                     self._register()
                 stream: Any = self._watch()
                 self._call = stream
+                # The daemon's "subscribed" header: from here on no event is
+                # missed, so the resync below cannot race a store.
+                stream.initial_metadata()
                 if need_resync:
                     self._resync()
                     need_resync = False
