@@ -56,6 +56,14 @@ def main() -> None:
             hashes = [i.to_bytes(4, "big") * 8 for i in range(n)]
             okeys = [OffloadKey(keys.make_offload_key(h, 0)) for h in hashes]
             tenant = tenant_digest(None)
+            # The mirror hears of a tenant's blocks once the daemon has that tenant
+            # named on the mirror's pool (a request's first lookup does it): name
+            # it before the stores, as an engine's first request does.
+            ctx = ReqContext(req_id="bench")
+            mgr.on_new_request(ctx)
+            m = mgr.mirrors[0]
+            if not wait_for(lambda: m.synced.is_set() and tenant in m.named, 60):
+                raise SystemExit("the mirror never subscribed")
             job = 0
             for i in range(0, n, 63):  # pages 1..63, reused: the daemon copies them
                 hs = hashes[i : i + 63]
@@ -63,8 +71,6 @@ def main() -> None:
                 gpu = GPULoadStoreSpec(list(range(1, len(hs) + 1)), [len(hs)], [0])
                 w.submit_store(job, gpu, KVSealLoadStoreSpec(tenant, hs))
             w.wait(set(range(1, job + 1)))
-            ctx = ReqContext(req_id="bench")
-            mgr.on_new_request(ctx)
             if not wait_for(lambda: mgr.lookup(okeys[-1], ctx) is LookupResult.HIT, 60):
                 raise SystemExit("the mirror did not see the stored blocks")
 
