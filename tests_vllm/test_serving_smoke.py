@@ -42,6 +42,9 @@ def test_bench_serving_quick_all_arms(tmp_path_factory: pytest.TempPathFactory) 
         for p in arm["points"]:
             assert p["requests"] > 0 and p["failed"] == 0, (name, p)
             assert p["integrity_failures"] == 0, (name, p)
+        if name in ("wt", "wb"):  # kvseal's family in the API server's /metrics
+            assert arm["kvseal_metrics"], name
+            assert all(isinstance(p["load_failed_blocks"], int) for p in arm["points"]), name
         assert arm["probe"], name
         assert arm["probe_after"] == arm["probe"], name
         probes.add(arm["probe"])

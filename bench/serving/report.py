@@ -95,7 +95,8 @@ def tables(res: dict[str, Any]) -> list[str]:
         out += ["", f"**{title}**", ""]
         out.append(
             "| arm | point | req/s | out tok/s | TTFT mean / p50 / p99 s | cached: engine / tier"
-            " | restored / offloaded blocks | integrity failures | req/s vs no offload | load"
+            " | restored / offloaded / restore-failed blocks | integrity failures"
+            " | req/s vs no offload | load"
             " | CPU ms/request: engine / daemon |"
         )
         out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -103,10 +104,12 @@ def tables(res: dict[str, Any]) -> list[str]:
             for p in _points(res, a, wl):
                 base = _match(res, "none", p)
                 ratio = f"{p['req_s'] / base['req_s']:.2f}x" if base and base["req_s"] else "—"
+                lf = p.get("load_failed_blocks")  # absent from runs before run 7
                 rb = (
                     "—"
                     if p["restored_blocks"] is None
                     else f"{p['restored_blocks']} / {p['offloaded_blocks']}"
+                    f" / {'—' if lf is None else lf}"
                 )
                 out.append(
                     f"| {NAMES.get(a, a)} | {p['x_name']} {p['x']} | {_req_s(p)} |"

@@ -148,11 +148,14 @@ class Client:
 
     def metrics(self) -> dict[str, float]:
         """vLLM's prefix-cache counters (tokens): the engine's own cache and the
-        connector's (external) tier."""
+        connector's (external) tier; and kvseal's own family in vLLM's /metrics,
+        the blocks it could not restore (vLLM recomputed them)."""
         out: dict[str, float] = {}
         for line in self.get("/metrics").splitlines():
             m = re.match(
-                r"vllm:((?:external_)?prefix_cache_(?:queries|hits))_total\{.*\} (\S+)", line
+                r"vllm:((?:external_)?prefix_cache_(?:queries|hits)|kvseal_load_failed_blocks)"
+                r"_total\{.*\} (\S+)",
+                line,
             )
             if m:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
@@ -415,6 +418,9 @@ def summarize(results: list[Result], wall: float, m0: dict[str, float], m1: dict
         "offloaded_blocks": sd.get("offloaded_blocks"),
         "integrity_failures": sd.get("integrity_failures", 0),
         "evicted_blocks": sd.get("evicted_blocks"),
+        # vLLM creates the labelled series at the first failure: none yet is 0.
+        "load_failed_blocks": None if sd.get("restored_blocks") is None
+        else int(d.get("kvseal_load_failed_blocks", 0)),
     }  # fmt: skip
 
 
@@ -464,7 +470,8 @@ def _point_log(name: str, pt: dict[str, Any]) -> None:
     log(f"[{name}] {pt['workload']} {pt['x_name']}={pt['x']}: {pt['req_s']:.2f} req/s,"
         f" {pt['out_tok_s']:.1f} tok/s, TTFT p50 {pt['ttft_p50']:.2f} p99 {pt['ttft_p99']:.2f} s,"
         f" cached engine {pt['cached_engine']:.0%} tier {pt['cached_tier']:.0%}, restored"
-        f" {pt['restored_blocks']} offloaded {pt['offloaded_blocks']}, integrity failures"
+        f" {pt['restored_blocks']} offloaded {pt['offloaded_blocks']} restore-failed"
+        f" {pt['load_failed_blocks']}, integrity failures"
         f" {pt['integrity_failures']}, failed {pt['failed']}, load {pt['load_avg']:.1f},"
         f" CPU s engine {pt['engine_cpu_s']} daemon {pt['daemon_cpu_s']}")  # fmt: skip
 
@@ -511,6 +518,10 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
             res["arms"][arm.name] = r
             r["start_s"] = round(arm.start(), 1)
             r["engine_blocks"] = arm.client.engine_blocks()
+            # kvseal's family registered in the API server's /metrics (a kvseal arm)
+            r["kvseal_metrics"] = "# TYPE vllm:kvseal_load_failed_blocks" in arm.client.get(
+                "/metrics"
+            )
             log(f"[{arm.name}] vllm serve up in {r['start_s']} s, engine KV cache"
                 f" {r['engine_blocks']} blocks")  # fmt: skip
             arm.client.complete(text(PROBE[:40]), 4)  # warm-up

@@ -42,6 +42,11 @@ from vllm.v1.request import Request
 log = logging.getLogger("kvseal.vllm")
 
 
+def _name_the_spec(extra: dict[str, Any]) -> None:
+    extra.setdefault("spec_name", "KVSealOffloadingSpec")
+    extra.setdefault("spec_module_path", "kvseal.vllm.spec")
+
+
 class KVSealOffloadingConnector(OffloadingConnector):
     """See module doc."""
 
@@ -53,9 +58,7 @@ class KVSealOffloadingConnector(OffloadingConnector):
     ) -> None:
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        extra = ktc.kv_connector_extra_config
-        extra.setdefault("spec_name", "KVSealOffloadingSpec")
-        extra.setdefault("spec_module_path", "kvseal.vllm.spec")
+        _name_the_spec(ktc.kv_connector_extra_config)
         if ktc.kv_load_failure_policy != "recompute":
             log.warning(
                 "kvseal: kv_load_failure_policy=%r -> 'recompute' (a block that fails "
@@ -68,6 +71,16 @@ class KVSealOffloadingConnector(OffloadingConnector):
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
             spec._current_vllm_config = None
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, *args: Any, **kw: Any) -> Any:
+        # Called in the API server's process, where no connector was built: name
+        # the spec there too, or vLLM would register the CPU spec's metrics and
+        # reject kvseal's counters when the scheduler's stats arrive.
+        ktc = vllm_config.kv_transfer_config
+        if ktc is not None:
+            _name_the_spec(ktc.kv_connector_extra_config)
+        return super().build_prom_metrics(vllm_config, *args, **kw)
 
     def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
         if current_platform.is_cpu():
@@ -85,18 +98,19 @@ class KVSealOffloadingConnector(OffloadingConnector):
         # recomputed request does not find them again and fail again.
         sched = self.connector_scheduler
         meta = connector_output.kv_connector_worker_meta
-        if sched is not None and connector_output.invalid_block_ids and meta is not None:
-            mgr = sched.manager
-            if isinstance(mgr, spec.KVSealOffloadingManager):
-                # vLLM 0.32's (private) job and request tables. Every load job
-                # completed in this step is taken as failed: the GPU block ids of
-                # the errors cannot be mapped to jobs here, and a block wrongly
-                # forgotten only costs one recompute.
-                for job_id in getattr(meta, "completed_jobs", {}):
-                    job = sched._jobs.get(job_id)
-                    st = sched._req_status.get(job.req_id) if job is not None else None
-                    if job is not None and not job.is_store and st is not None:
-                        mgr.load_failed(job.keys, st.req_context)
+        mgr = sched.manager if sched is not None else None
+        failed = connector_output.invalid_block_ids
+        if sched is not None and failed and isinstance(mgr, spec.KVSealOffloadingManager):
+            mgr.note_load_errors(len(failed))  # vllm:kvseal_load_failed_blocks
+            # vLLM 0.32's (private) job and request tables. Every load job
+            # completed in this step is taken as failed: the GPU block ids of
+            # the errors cannot be mapped to jobs here, and a block wrongly
+            # forgotten only costs one recompute.
+            for job_id in getattr(meta, "completed_jobs", {}) if meta is not None else ():
+                job = sched._jobs.get(job_id)
+                st = sched._req_status.get(job.req_id) if job is not None else None
+                if job is not None and not job.is_store and st is not None:
+                    mgr.load_failed(job.keys, st.req_context)
         super().update_connector_output(connector_output)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

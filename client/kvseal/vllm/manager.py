@@ -38,6 +38,24 @@ ANNOUNCE_GRACE_S = 0.25
 
 SHARED_TENANT = tenant_digest(None)
 
+# The metric kvseal adds to vLLM's own /metrics (through the spec's
+# build_metric_definitions and the manager's get_stats; exposed with "_total").
+LOAD_FAILED_BLOCKS = "vllm:kvseal_load_failed_blocks"
+
+
+def metric_definitions() -> dict[str, Any]:
+    """The kvseal metrics vLLM registers for the spec (name -> vLLM metadata)."""
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata  # noqa: PLC0415
+
+    return {
+        LOAD_FAILED_BLOCKS: OffloadingCounterMetadata(
+            documentation="KV blocks kvseal could not restore (evicted since the "
+            "lookup, failed verification, daemon unreachable or slow); vLLM "
+            "recomputed them",
+        )
+    }
+
+
 # request -> cache_salt (vLLM's ReqContext carries no salt), filled in by the
 # connector through note_request_salt before the manager sees the request.
 _salts: dict[str, str | None] = {}
@@ -123,6 +141,7 @@ class KVSealOffloadingManager(OffloadingManager):
         # (prepare_store, complete_store, lookup, reset_cache) touches it.
         self._storing: dict[bytes, dict[bytes, float]] = {}
         self.announce_grace_s = ANNOUNCE_GRACE_S  # an attribute so tests can widen it
+        self._load_failed_blocks = 0  # since the last get_stats (scheduler thread)
         # A job in flight ends within the transfer timeout (the worker's bound).
         self._store_bound_s = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0)) + 5
         self.world = spec.world_size
@@ -335,6 +354,26 @@ class KVSealOffloadingManager(OffloadingManager):
                 yield self._events.get_nowait()
             except queue.Empty:
                 return
+
+    def note_load_errors(self, n_blocks: int) -> None:
+        """``n_blocks`` GPU blocks failed to load this step (vLLM recomputes them):
+        counted for :data:`LOAD_FAILED_BLOCKS`. Called by the connector, on the
+        scheduler thread."""
+        self._load_failed_blocks += n_blocks
+
+    def get_stats(self) -> Any:
+        """vLLM's hook for connector metrics, once per scheduler step: what was
+        counted since the last call (None when nothing was)."""
+        n, self._load_failed_blocks = self._load_failed_blocks, 0
+        if not n:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: PLC0415
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        stats.increase_counter(LOAD_FAILED_BLOCKS, n)
+        return stats
 
     def reset_cache(self) -> None:
         # vLLM's reset drops its own view; the sealed tier keeps serving restores

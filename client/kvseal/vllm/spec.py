@@ -45,9 +45,11 @@ from kvseal.vllm import keys
 from kvseal.vllm.kv_pool import EngineEvent, KVPool
 from kvseal.vllm.manager import (  # re-exported: the spec's public names
     ANNOUNCE_GRACE_S,
+    LOAD_FAILED_BLOCKS,
     SHARED_TENANT,
     KVSealLoadStoreSpec,
     KVSealOffloadingManager,
+    metric_definitions,
     note_request_salt,
 )
 
@@ -66,6 +68,7 @@ log = logging.getLogger("kvseal.vllm")
 
 __all__ = [
     "ANNOUNCE_GRACE_S",
+    "LOAD_FAILED_BLOCKS",
     "SHARED_TENANT",
     "KVSealLoadStoreSpec",
     "KVSealOffloadingManager",
@@ -343,6 +346,11 @@ class KVSealOffloadingSpec(OffloadingSpec):
     full-attention KV-cache group, one vLLM block per offloaded chunk (the
     defaults); anything else is refused at start with a clear error.
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The metrics kvseal adds to vLLM's /metrics (``vllm:kvseal_*``)."""
+        return metric_definitions()
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
