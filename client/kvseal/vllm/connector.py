@@ -106,7 +106,7 @@ class KVSealOffloadingConnector(OffloadingConnector):
             # completed in this step is taken as failed: the GPU block ids of
             # the errors cannot be mapped to jobs here, and a block wrongly
             # forgotten only costs one recompute.
-            for job_id in getattr(meta, "completed_jobs", {}) if meta is not None else ():
+            for job_id in getattr(meta, "completed_jobs", {}):  # meta may be None
                 job = sched._jobs.get(job_id)
                 st = sched._req_status.get(job.req_id) if job is not None else None
                 if job is not None and not job.is_store and st is not None:

@@ -18,10 +18,14 @@ from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys
 from kvseal.vllm.mirror import DaemonMirror
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
@@ -45,8 +49,6 @@ LOAD_FAILED_BLOCKS = "vllm:kvseal_load_failed_blocks"
 
 def metric_definitions() -> dict[str, Any]:
     """The kvseal metrics vLLM registers for the spec (name -> vLLM metadata)."""
-    from vllm.v1.kv_offload.base import OffloadingCounterMetadata  # noqa: PLC0415
-
     return {
         LOAD_FAILED_BLOCKS: OffloadingCounterMetadata(
             documentation="KV blocks kvseal could not restore (evicted since the "
@@ -361,16 +363,12 @@ class KVSealOffloadingManager(OffloadingManager):
         scheduler thread."""
         self._load_failed_blocks += n_blocks
 
-    def get_stats(self) -> Any:
+    def get_stats(self) -> OffloadingConnectorStats | None:
         """vLLM's hook for connector metrics, once per scheduler step: what was
         counted since the last call (None when nothing was)."""
         n, self._load_failed_blocks = self._load_failed_blocks, 0
         if not n:
             return None
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: PLC0415
-            OffloadingConnectorStats,
-        )
-
         stats = OffloadingConnectorStats()
         stats.increase_counter(LOAD_FAILED_BLOCKS, n)
         return stats

@@ -302,14 +302,19 @@ class DaemonMirror:
         for tenant in list(self._introduced):
             self._intro_q.put((tenant, []))
 
-    def _watch(self) -> object:
-        """Open the event stream now (not lazily, as ``KVSealClient.watch_events``
-        does): the subscription must exist before the resync reads the index."""
+    def _watch(self) -> Any:
+        """Open the event stream and return once the daemon has subscribed it (its
+        "kvseal-watch" header): from then on no event is missed, so the resync
+        that follows cannot race a store. The raw call, not
+        ``KVSealClient.watch_events``: ``close`` cancels it from another thread."""
         req = pb.WatchEventsRequest()
         scope = "pool_id"  # the field of pool-scoped watches, where the proto has it
         if scope in pb.WatchEventsRequest.DESCRIPTOR.fields_by_name:
             setattr(req, scope, self.pool_id)
-        return self._client._stub.WatchEvents(req)
+        call = self._client._stub.WatchEvents(req)
+        self._call = call
+        call.initial_metadata()
+        return call
 
     def _resync(self) -> None:
         """Keep only the blocks the daemon still reports READY."""
@@ -332,11 +337,7 @@ class DaemonMirror:
             try:
                 if self.pool_id is None or self._hold is None or self._hold.ended.is_set():
                     self._register()
-                stream: Any = self._watch()
-                self._call = stream
-                # The daemon's "subscribed" header: from here on no event is
-                # missed, so the resync below cannot race a store.
-                stream.initial_metadata()
+                stream = self._watch()
                 if need_resync:
                     self._resync()
                     need_resync = False
