@@ -64,6 +64,18 @@ def driver() -> Any:
     raise ImportError(f"no cuda-python driver bindings: {first}")
 
 
+def fill_handle(h: Any, raw: bytes) -> Any:
+    """``h`` (a new CUipcMemHandle / CUipcEventHandle) holding the 64 bytes ``raw``.
+
+    Through ``getPtr()``, which every cuda-bindings release has: 13.4 made both types
+    opaque (no ``reserved`` attribute), so assigning ``h.reserved`` fails there with an
+    AttributeError (a defect of the caller, not of the machine)."""
+    if len(raw) != 64:
+        raise ValueError(f"an IPC handle is 64 bytes, got {len(raw)}")
+    ctypes.memmove(int(h.getPtr()), raw, 64)
+    return h
+
+
 class Failed(Exception):
     """A driver call returned an error; the message names the call and the CUresult."""
 
@@ -116,8 +128,7 @@ def child(spec: dict[str, Any]) -> int:
     size, offset = int(spec["size"]), int(spec["offset"])
 
     def mem_open() -> str:
-        h = cu.CUipcMemHandle()
-        h.reserved = bytes.fromhex(spec["mem"])
+        h = fill_handle(cu.CUipcMemHandle(), bytes.fromhex(spec["mem"]))
         lazy = int(cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         box["ptr"] = int(check(cu.cuIpcOpenMemHandle(h, lazy), "cuIpcOpenMemHandle"))
         return f"(mapped at {box['ptr']:#x})"
@@ -133,8 +144,7 @@ def child(spec: dict[str, Any]) -> int:
         return f"({size} bytes identical)"
 
     def event_open() -> str:
-        h = cu.CUipcEventHandle()
-        h.reserved = bytes.fromhex(spec["event"])
+        h = fill_handle(cu.CUipcEventHandle(), bytes.fromhex(spec["event"]))
         box["event"] = check(cu.cuIpcOpenEventHandle(h), "cuIpcOpenEventHandle")
         return ""
 

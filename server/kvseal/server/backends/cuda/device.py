@@ -32,6 +32,26 @@ CU_INVALID_CONTEXT = 201
 CU_ALREADY_MAPPED = 208
 
 
+# Both handle types are 64 opaque bytes (CU_IPC_HANDLE_SIZE in cuda.h).
+IPC_HANDLE_BYTES = 64
+
+
+def ipc_handle(handle_type: Callable[[], Any], handle: bytes) -> Any:
+    """A new ``CUipcMemHandle`` / ``CUipcEventHandle`` holding ``handle``.
+
+    Filled through ``getPtr()`` (the address of the struct's 64 bytes), the one API
+    every supported cuda-bindings version has: 13.4 made both types opaque and
+    removed the ``reserved`` attribute that older releases let callers assign.
+    Raises ValueError for a handle of the wrong length (the bytes come from the
+    engine, over gRPC): a short copy would open whatever the rest of the struct
+    held, a long one would write past it."""
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    h = handle_type()
+    ctypes.memmove(int(h.getPtr()), handle, IPC_HANDLE_BYTES)
+    return h
+
+
 class CudaError(RuntimeError):
     """A CUDA driver call failed. ``code`` is the CUresult value."""
 
@@ -315,13 +335,11 @@ class CudaDevice:
         return True
 
     def open_ipc_event(self, handle: bytes) -> Any:
-        h = self._cu.CUipcEventHandle()
-        h.reserved = handle
+        h = ipc_handle(self._cu.CUipcEventHandle, handle)
         return self._check(self._cu.cuIpcOpenEventHandle(h), "cuIpcOpenEventHandle")
 
     def open_ipc_mem(self, handle: bytes) -> tuple[int, int]:
-        h = self._cu.CUipcMemHandle()
-        h.reserved = handle
+        h = ipc_handle(self._cu.CUipcMemHandle, handle)
         flags = int(self._cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         ptr = int(self._check(self._cu.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle"))
         try:
