@@ -24,6 +24,30 @@ kernels-nvcc:
 kernels-nvrtc-deps: venv
 	$(PY) -m pip install --quiet $(KERNELS_NVRTC_PKGS)
 
+# The newest cuda-bindings release, alone, beside the pinned one: the fake-driver
+# conformance test (tests/test_cuda_backend_cpu.py::test_cuda_device_over_fake_driver)
+# runs under both, because a new release can change the API under the pinned CI
+# (13.4 made the IPC handle types opaque). --no-deps: it imports over the venv's
+# cuda-pathfinder and NVRTC wheel. The test reads CUDA_BINDINGS_NEWEST from this file
+# and asserts the version its subprocess loaded; under CI=true a missing install fails.
+# `make test` installs it (the prerequisite below), so a fresh clone gets it.
+CUDA_BINDINGS_NEWEST := 13.5.0
+CUDA_BINDINGS_NEWEST_DIR := $(VENV)/cuda-bindings-newest
+CUDA_BINDINGS_NEWEST_STAMP := $(CUDA_BINDINGS_NEWEST_DIR)/.installed-$(CUDA_BINDINGS_NEWEST)
+
+.PHONY: cuda-bindings-newest
+
+## Install cuda-bindings==CUDA_BINDINGS_NEWEST alone into .venv/cuda-bindings-newest.
+cuda-bindings-newest: $(CUDA_BINDINGS_NEWEST_STAMP)
+
+$(CUDA_BINDINGS_NEWEST_STAMP): $(STAMP)
+	rm -rf $(CUDA_BINDINGS_NEWEST_DIR)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps \
+	    --target $(CUDA_BINDINGS_NEWEST_DIR) cuda-bindings==$(CUDA_BINDINGS_NEWEST)
+	touch $@
+
+test: cuda-bindings-newest
+
 # ---------------------------------------------------------------------------------
 # GPU runs (need an NVIDIA GPU): benchmark and the one-shot device check.
 

@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import os
 import random
+import re
 import shutil
 import signal
 import struct
@@ -790,6 +791,37 @@ def test_region_falls_back_to_unmapped_pinned_memory(emu: E.Emulator) -> None:
 # --------------------------------------------------------------------------------------
 
 FAKE_DRIVER = Path(__file__).parent / "gpu" / "fake_libcuda.c"
+REPO = Path(__file__).resolve().parent.parent
+# Where mk/cuda.mk installs the newest cuda-bindings release alone (`make test` does).
+NEWEST_BINDINGS_DIR = REPO / ".venv" / "cuda-bindings-newest"
+
+
+def _on_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def _unavailable(why: str) -> None:
+    """Skip locally; fail under CI, where `make test` installs both bindings versions
+    and a skip would hide that the conformance test did not run."""
+    if _on_ci():
+        pytest.fail(f"CI=true and {why}")
+    pytest.skip(why)
+
+
+def _pinned_bindings_version() -> str:
+    m = re.search(
+        r"^cuda-bindings==(\S+)", (REPO / "requirements-dev.txt").read_text(), re.MULTILINE
+    )
+    assert m, "requirements-dev.txt pins no cuda-bindings"
+    return m.group(1)
+
+
+def _newest_bindings_version() -> str:
+    m = re.search(
+        r"^CUDA_BINDINGS_NEWEST\s*:?=\s*(\S+)", (REPO / "mk" / "cuda.mk").read_text(), re.MULTILINE
+    )
+    assert m, "mk/cuda.mk sets no CUDA_BINDINGS_NEWEST"
+    return m.group(1)
 
 
 @pytest.fixture(scope="module")
@@ -804,7 +836,7 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
         kc.nvrtc_version()
     except (ImportError, RuntimeError) as e:
-        pytest.skip(f"cuda-python / NVRTC unavailable: {e}")
+        _unavailable(f"cuda-python / NVRTC unavailable: {e}")
     out = tmp_path_factory.mktemp("fakecuda")
     subprocess.run(
         [cc, "-O1", "-fPIC", "-shared", "-o", str(out / "libcuda.so.1"), str(FAKE_DRIVER), "-ldl"],
@@ -813,39 +845,66 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(params=["pinned", "newest"])
+def bindings(request: pytest.FixtureRequest) -> tuple[str, list[str]]:
+    """(the cuda-bindings version the subprocess must load, what goes first on its
+    PYTHONPATH): the venv's pinned release, or the newest one installed alone."""
+    if request.param == "pinned":
+        return _pinned_bindings_version(), []
+    want = _newest_bindings_version()
+    if not (NEWEST_BINDINGS_DIR / "cuda" / "bindings").is_dir():
+        _unavailable(
+            f"cuda-bindings {want} is not installed in {NEWEST_BINDINGS_DIR.relative_to(REPO)} "
+            "(`make cuda-bindings-newest`; `make test` installs it)"
+        )
+    return want, [str(NEWEST_BINDINGS_DIR)]
+
+
 @pytest.mark.parametrize(
     "args",
     [("dma", "off"), ("mapped", "off", "file"), ("dma", "on", "file"), ("dma", "off", "ptx")],
     ids=["dma", "mapped-registered", "cc-on", "ptx-fallback"],
 )
 def test_cuda_device_over_fake_driver(
-    emu: E.Emulator, fake_libcuda: Path, args: tuple[str, ...]
+    emu: E.Emulator,
+    fake_libcuda: Path,
+    bindings: tuple[str, list[str]],
+    args: tuple[str, ...],
 ) -> None:
     """Every driver call of CudaDevice/CudaBackend parses in cuda-python and passes the
     fake driver's checks (contexts, handles, flags, device ranges of copies and kernel
-    descriptors), the bytes equal AESGCM's, nothing leaks (tests/gpu/fake_driver_run.py)."""
-    root = Path(__file__).resolve().parent.parent
+    descriptors), the bytes equal AESGCM's, nothing leaks, and no driver call (or driver
+    struct) raised AttributeError/TypeError, even one kvseal caught
+    (tests/gpu/fake_driver_run.py); under the pinned and the newest cuda-bindings."""
+    want, first = bindings
     env = {
         **os.environ,
         "LD_LIBRARY_PATH": f"{fake_libcuda}:{os.environ.get('LD_LIBRARY_PATH', '')}",
         "FAKE_CUDA_EMULATOR": str(emu._lib._name),
         "PYTHONPATH": os.pathsep.join(
             [
-                str(root),
-                str(root / "client"),
-                str(root / "server"),
+                *first,
+                str(REPO),
+                str(REPO / "client"),
+                str(REPO / "server"),
                 os.environ.get("PYTHONPATH", ""),
             ]
         ),
     }
     r = subprocess.run(
-        [sys.executable, str(root / "tests" / "gpu" / "fake_driver_run.py"), *args],
+        [sys.executable, str(REPO / "tests" / "gpu" / "fake_driver_run.py"), *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout[-3000:] + r.stderr[-3000:]
+    loaded = re.search(r"^cuda-bindings (\S+) from (.+)$", r.stdout, re.MULTILINE)
+    assert loaded, f"the run did not say which cuda-bindings it loaded: {out}"
+    assert loaded.group(1) == want, f"expected cuda-bindings {want}, loaded {loaded.group(1)}"
+    where = Path(loaded.group(2)).resolve()
+    assert where.is_relative_to(NEWEST_BINDINGS_DIR.resolve()) == bool(first), where
+    assert r.returncode == 0 and "ALL OK" in r.stdout, out
 
 
 def test_nvrtc_compile_leaves_one_byte_bytes_alone() -> None:

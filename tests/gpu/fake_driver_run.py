@@ -6,16 +6,29 @@ per process). Argument conformance is what this checks: every driver call CudaDe
 makes must parse in cuda-python and satisfy the fake driver's strict checks, and the
 bytes must equal AESGCM's. Prints "ALL OK" and exits 0 on success.
 
+Every AttributeError or TypeError raised by a driver call, by constructing a driver
+struct or by reading or writing one of its attributes is recorded (see
+:class:`RecordingDriver`) and fails the run, even when kvseal's code catches it: the
+daemon turns such an exception into INTERNAL, and the host region's fallbacks swallow
+any exception, so a binding that changed its API (cuda-bindings 13.4 made the IPC
+handle types opaque) could otherwise pass here and fail for every user. The first line
+printed names the cuda-bindings version and where it was loaded from.
+
 Usage: fake_driver_run.py SEAL_MODE CC [file] [ptx]
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib
 import os
 import struct
 import sys
 import tempfile
+import types
+from collections.abc import Callable
+from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvseal.server.backends.base import BlockIO
@@ -30,8 +43,118 @@ from kvseal.server.sealing import BlockAD
 
 from tests.test_cuda_backend_cpu import DeviceSealer, known_key
 
+# What a binding raises when kvseal calls it with the wrong API: a removed attribute
+# (AttributeError), an argument of a type it no longer accepts (TypeError).
+API_DEFECTS = (AttributeError, TypeError)
+
+
+class RecordingDriver(types.ModuleType):
+    """``cuda.bindings.driver`` with every API defect recorded in :attr:`defects`.
+
+    Functions are wrapped; classes that are not enums (``CUipcMemHandle``, ...) build a
+    :class:`_Struct` around the real object, so that ``h.reserved = ...`` on an opaque
+    handle is seen too. Enums, constants and the objects the driver returns pass
+    through untouched (they are compared, converted with ``int`` and handed back)."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__(real.__name__, real.__doc__)
+        self._real = real
+        self.defects: list[str] = []
+
+    def note(self, what: str, e: BaseException) -> None:
+        self.defects.append(f"{what}: {type(e).__name__}: {e}")
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            value = getattr(self._real, name)
+        except AttributeError as e:  # a name this release does not have
+            self.note(f"cuda.bindings.driver.{name}", e)
+            raise
+        if isinstance(value, type) and not issubclass(value, int):  # IntEnum, FastEnum
+            return self.wrap(name, functools.partial(_Struct, self, name, value))
+        if callable(value) and not isinstance(value, type):
+            return self.wrap(name, value)
+        return value
+
+    def wrap(self, what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*map(_unwrap, args), **{k: _unwrap(v) for k, v in kwargs.items()})
+            except API_DEFECTS as e:
+                self.note(f"{what}(...)", e)
+                raise
+
+        return call
+
+
+class _Struct:
+    """A driver struct kvseal built; attribute reads and writes go to the real one,
+    and raise (after recording) what they raise there. :func:`_unwrap` hands the real
+    object to the driver calls."""
+
+    __slots__ = ("_drv", "_name", "_real")
+
+    def __init__(self, drv: RecordingDriver, name: str, cls: type, *args: Any) -> None:
+        object.__setattr__(self, "_drv", drv)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_real", cls(*map(_unwrap, args)))
+
+    def __getattr__(self, attr: str) -> Any:
+        try:
+            value = getattr(self._real, attr)
+        except API_DEFECTS as e:
+            self._drv.note(f"{self._name}.{attr}", e)
+            raise
+        return self._drv.wrap(f"{self._name}.{attr}", value) if callable(value) else value
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        try:
+            setattr(self._real, attr, _unwrap(value))
+        except API_DEFECTS as e:
+            self._drv.note(f"{self._name}.{attr} = ...", e)
+            raise
+
+
+def _unwrap(value: Any) -> Any:
+    return object.__getattribute__(value, "_real") if isinstance(value, _Struct) else value
+
+
+def install_recording_driver() -> RecordingDriver:
+    """Put a :class:`RecordingDriver` where every import of the driver module finds it
+    (``importlib``, ``import cuda.bindings.driver``, ``from cuda.bindings import driver``);
+    print the bindings' version and location first."""
+    import cuda.bindings
+
+    real = importlib.import_module("cuda.bindings.driver")
+    # Compiled siblings import the driver's types from sys.modules when they load,
+    # and a wrapped class is no type: load them (NVRTC is what kvseal uses) first.
+    for sibling in ("cuda.bindings.nvrtc", "cuda.bindings.runtime"):
+        importlib.import_module(sibling)
+    version = getattr(cuda.bindings, "__version__", "unknown")
+    print(f"cuda-bindings {version} from {os.path.dirname(cuda.bindings.__file__ or '?')}")
+    drv = RecordingDriver(real)
+    sys.modules["cuda.bindings.driver"] = drv
+    cuda.bindings.driver = drv  # type: ignore[attr-defined]
+    return drv
+
 
 def main(argv: list[str]) -> int:
+    drv = install_recording_driver()
+    try:
+        run(argv)
+    finally:
+        # Printed whatever happened: a defect that kvseal caught and turned into
+        # another error (HandleUnusable, a region fallback) is the cause to report.
+        for d in drv.defects:
+            print(f"DRIVER API DEFECT: {d}")
+    if drv.defects:
+        print(f"FAILED: {len(drv.defects)} AttributeError/TypeError in driver calls")
+        return 1
+    print("ALL OK")
+    return 0
+
+
+def run(argv: list[str]) -> None:
     mode, cc = argv[0], argv[1]
     use_file, ptx = "file" in argv[2:], "ptx" in argv[2:]
     fake = ctypes.CDLL("libcuda.so.1")
@@ -171,8 +294,6 @@ def main(argv: list[str]) -> int:
     assert fake.fake_cuda_ctx_refs() == 0, "primary context not released"
     space = b" "
     assert space[0] == 32, "the one-byte b' ' object was overwritten"
-    print("ALL OK")
-    return 0
 
 
 if __name__ == "__main__":
