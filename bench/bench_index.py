@@ -17,7 +17,15 @@ for the whole call. Workloads, each on a fresh index filled to capacity:
    heap items behind), then the same stores;
 3. the 4,096-block store of (1) aborted: every victim reinstated;
 4. then every chain of (2) touched once more, in random order, and a
-   4,096-block store (touches must leave nothing for the planner to skip).
+   4,096-block store (touches must leave nothing for the planner to skip);
+5. on the index of (2): an 8-block lookup timed again and again while
+   another thread calls, every millisecond, ``stats()``, ``drop`` of every block of a
+   tenant that has none, or on ``drop`` of one small tenant's blocks (stored
+   again each round), beside the same lookups with nothing else running and
+   with a full walk of the map under the lock in the loop (what ``stats`` and
+   a tenant's drop each did before their counts and scopes were kept as
+   they change): the stall an admitted peer polling ``Stats`` (or a metrics
+   scrape) puts on every engine's Lookup.
 
 "examined" is the number of candidate entries the planner looked at (the
 old planner rescanned the LRU from the oldest block for every victim: for a
@@ -31,7 +39,9 @@ import gc
 import os
 import platform
 import random
+import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -122,11 +132,79 @@ class Rows:
         return "\n".join(out)
 
 
+def lookups_beside(
+    idx: Index, chains: list[list[bytes]], loop: Callable[[], object] | None, seconds: float
+) -> tuple[float, float, float, int, int]:
+    """p50, p99 and max µs of 8-block lookups made back to back for ``seconds``
+    while another thread calls ``loop`` every millisecond (None: nothing else
+    runs), how many lookups took over 1 ms, and how many calls the loop made."""
+    stop = threading.Event()
+    calls = 0
+
+    def spin() -> None:
+        nonlocal calls
+        while not stop.wait(0.001):  # a poller: 1 ms between calls
+            loop()  # type: ignore[misc]
+            calls += 1
+
+    t = threading.Thread(target=spin, daemon=True) if loop is not None else None
+    if t is not None:
+        t.start()
+    lat = []
+    try:
+        end = time.perf_counter() + seconds
+        i = 0
+        while time.perf_counter() < end:
+            i += 1
+            c = chains[(i * 7919) % len(chains)]
+            t0 = time.perf_counter()
+            idx.lookup(NS, T_FILL, c)
+            lat.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        stop.set()
+        if t is not None:
+            t.join()
+    lat.sort()
+    slow = sum(1 for x in lat if x > 1000)
+    return statistics.median(lat), lat[int(len(lat) * 0.99) - 1], lat[-1], slow, calls
+
+
+def stalls(
+    idx: Index, chains: list[list[bytes]], seconds: float
+) -> list[tuple[str, float, float, float, int, int]]:
+    """Workload 5 (module docstring): one row per background loop."""
+    small = hashes(b"t", 0, 8)
+    t_small = b"s" * 32
+    t_none = b"z" * 32
+
+    def drop_small() -> None:
+        plan = idx.begin_store(NS, t_small, None, small, BLOCK)
+        idx.complete_store(plan.new, [REC] * len(plan.new))
+        idx.drop(NS, t_small, None)
+
+    def full_walk() -> None:  # what stats() and drop(all_of_tenant) did before
+        with idx._lock:
+            sum(1 for e in idx._map.values() if e.pins)
+            [e for k, e in idx._map.items() if k[1] == t_none]
+
+    beside = [
+        ("nothing else running", None),
+        ("stats() in a loop", idx.stats),
+        ("drop(all of a tenant with no blocks) in a loop", lambda: idx.drop(NS, t_none, None)),
+        ("store + drop(all) of an 8-block tenant in a loop", drop_small),
+        ("reference: a full walk of the map under the lock, in a loop", full_walk),
+    ]
+    return [(label, *lookups_beside(idx, chains, loop, seconds)) for label, loop in beside]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=1_000_000, help="blocks in the cache")
     ap.add_argument("--quick", action="store_true", help="100,000 blocks (smoke run)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--stall-seconds", type=float, default=None, help="lookups per row of workload 5 (3 s)"
+    )
     args = ap.parse_args(argv)
     n = 100_000 if args.quick else args.blocks
     rng = random.Random(args.seed)
@@ -158,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     for c in chains:
         idx.touch(NS, T_FILL, c)
     rows.store(idx, "chains of 8, all touched since", sizes[-1])
+
+    step("lookups beside Stats and drops")
+    seconds = args.stall_seconds or (0.5 if args.quick else 3.0)
+    cached = idx.stats().ready
+    stall_rows = stalls(idx, chains, seconds)
     del idx, chains
     gc.collect()
 
@@ -167,6 +250,20 @@ def main(argv: list[str] | None = None) -> int:
     print("Times are wall clock around each call (the call holds the index lock throughout).")
     print()
     print(rows.table())
+    print()
+    print(
+        f"8-block lookups on {cached:,} cached blocks while another thread calls the row's "
+        f"operation every ms (lookups back to back for {seconds:g} s per row; µs per lookup, "
+        "wall clock):"
+    )
+    print()
+    print(
+        "| beside the lookups | lookup p50 µs | p99 µs | max µs | lookups over 1 ms "
+        "| the row's calls meanwhile |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, p50, p99, mx, slow, calls in stall_rows:
+        print(f"| {label} | {p50:.1f} | {p99:.1f} | {mx:.1f} | {slow:,} | {calls:,} |")
     return 0
 
 

@@ -127,7 +127,7 @@ def _put_back(r: Rig, saved: list[Saved], cts: list[bytes], epoch: int | None = 
             e = Entry(key, Extent(extent.offset, size), size, gen, State.READY, rec)
             index._clock += 1
             e.last_use = index._clock
-            index._map[key] = e
+            index._insert(e)
             index._ready[key] = e
             index._consider(e)
 

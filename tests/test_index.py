@@ -1067,7 +1067,7 @@ def test_bench_index_runs_and_prints_its_table() -> None:
 
     bench = Path(__file__).resolve().parents[1] / "bench" / "bench_index.py"
     proc = subprocess.run(
-        [sys.executable, str(bench), "--blocks", "20000"],
+        [sys.executable, str(bench), "--blocks", "20000", "--stall-seconds", "0.2"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -1079,7 +1079,9 @@ def test_bench_index_runs_and_prints_its_table() -> None:
         line for line in lines if line.startswith("| one long chain") or line.startswith("| chains")
     ]
     assert len(rows) == 8
-    assert lines[-1].startswith("| chains of 8, all touched since | ")
+    stalls = [line for line in lines if line.startswith(("| stats() in a loop", "| reference:"))]
+    assert len(stalls) == 2
+    assert lines[-1].startswith("| reference: a full walk of the map under the lock")
 
 
 # ================================================================ state machine
@@ -1617,3 +1619,37 @@ IndexMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestIndexStateMachine = IndexMachine.TestCase
+
+
+def test_stats_and_a_tenants_drop_need_no_walk_and_idle_scopes_leave() -> None:
+    """Stats counts are kept as entries change (check_invariants recomputes
+    them), ``drop(all_of_tenant)`` finds the tenant's blocks through its scope
+    (not a walk of every entry), and a scope with no entry left is forgotten:
+    thousands of tenants that come and go leave nothing behind."""
+    idx, _ = make(64)
+    tenants = [bytes([i]) * 32 for i in range(20)]
+    for i, t in enumerate(tenants):
+        store(idx, [f"a{i}", f"b{i}"], tenant=t)
+    plan = idx.begin_store(NS, T2, None, [h("p")], BLOCK)  # stays PENDING
+    pinned = idx.begin_restore(NS, tenants[0], [h("a0")])
+    s = idx.stats()
+    assert (s.ready, s.pending, s.pinned) == (40, 1, 1)
+    assert idx.scope_blocks(NS, tenants[3]) == 2 and idx.scope_blocks(NS2, tenants[3]) == 0
+    idx.check_invariants()
+    # A drop of a tenant with no block, in another namespace: nothing moves.
+    assert idx.drop(NS2, tenants[1], None) == []
+    assert [e.block_hash for e in idx.drop(NS, tenants[1], None)] == [h("a1"), h("b1")]
+    assert idx.scope_blocks(NS, tenants[1]) == 0 and idx.stats().ready == 38
+    # The pinned block's tenant is dropped: it leaves the map (and the pinned
+    # count) at once; its slot waits for the restore.
+    idx.drop(NS, tenants[0], None)
+    assert idx.stats().pinned == 0
+    idx.complete_restore(pinned, release=False)
+    idx.complete_store(plan.new, [record()])
+    for t in tenants[2:]:
+        idx.drop(NS, t, None)
+    idx.drop(NS, T2, None)
+    idx.check_invariants()
+    s = idx.stats()
+    assert (s.ready, s.pending, s.pinned, s.used_bytes) == (0, 0, 0, 0)
+    assert idx._scopes == {} and idx._map == {}
