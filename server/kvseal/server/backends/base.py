@@ -127,4 +127,13 @@ class Backend(Protocol):
         May wait for a request in flight; never raises."""
         ...
 
+    def check_device(self) -> None:
+        """The daemon's periodic device check, every ``--device-check-interval``
+        seconds while it serves. A backend whose device can no longer serve (the
+        CUDA context was lost while idle) reports it as a failure inside a request
+        does (the CUDA backend's ``set_on_broken`` callback: health NOT_SERVING,
+        exit 4). Cheap, never waits for a request in flight, never raises; a no-op
+        where there is no device (CPU)."""
+        ...
+
     def close(self) -> None: ...

@@ -255,6 +255,9 @@ class CpuBackend:
             self._staging.give(staging)
         return failed
 
+    def check_device(self) -> None:
+        """No device to lose: nothing to check (see ``Backend.check_device``)."""
+
     def retire_keys(self) -> None:
         """Nothing to do: the CPU backend keeps no key copies of its own (the
         sealer's ``AESGCM`` objects are the only ones, dropped with the scope)."""

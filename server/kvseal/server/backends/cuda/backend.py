@@ -119,6 +119,7 @@ class CudaBackend:
         self.engine_event_timeout = engine_event_timeout
         self.device = device
         self._lock = threading.Lock()
+        self._closed = False  # set by close(): the periodic check stops touching the device
         d = self._dev
         self._guard = ContextGuard(d)
         self._pools = IpcPools(d, self._guard, self._lock, device)
@@ -180,6 +181,32 @@ class CudaBackend:
                 self._guard.note(e)
                 log.warning("wiping the device key contexts of a dropped tenant failed: %s", e)
 
+    def check_device(self) -> None:
+        """The daemon's periodic check (``--device-check-interval``): make the context
+        current and synchronise it (``Device.check_context``). A context lost while
+        the daemon is idle (an Xid, a GPU reset) is then found without waiting for a
+        request to touch the GPU: the backend is marked broken and the
+        :meth:`set_on_broken` callback runs (the daemon turns health NOT_SERVING and
+        exits 4). Any failure of the check counts: with no request in flight both
+        streams are idle, so a healthy context cannot fail it.
+
+        Cheap and never blocking on a request: if one holds the backend lock the
+        check is skipped (that request meets a lost context itself), as it is once
+        the backend is closed or already broken. Never raises."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._closed or self._guard.broken is not None:
+                return
+            try:
+                self._guard.enter()
+                self._dev.check_context()
+            except CudaError as e:
+                self._guard.note(e)
+                self._guard.mark_broken(f"the periodic device check failed: {e}")
+        finally:
+            self._lock.release()
+
     # -- engine events (see ipc) --------------------------------------------------------
 
     def _open_event(self, handle: bytes | None) -> Any:
@@ -230,10 +257,35 @@ class CudaBackend:
         more after everything completed: a seal that finished past the cutoff, or
         after the call was cancelled, is discarded (its nonces burnt, no record
         returned), since its pages may have been read after the engine gave up. On
-        any failure both streams are drained before this raises."""
+        any failure both streams are drained before this raises, and the exception
+        carries (:func:`~kvseal.server.backends.base.note_written`) exactly the blocks
+        whose extents queued work may have written: none for a failure before the
+        first region write is queued (a bad or pending engine event, the cutoff while
+        waiting for it, context entry, key derivation, the descriptor upload, the
+        first launch), else the chunks whose copies (or, with ``seal_mode="mapped"``,
+        kernels) were queued. The cache reinstates every other block's victims."""
         assert isinstance(pool, CudaMappedPool) and isinstance(region, CudaHostRegion)
         if not blocks:
             return []
+        try:
+            return self._seal(pool, blocks, region, wait_event, deadline)
+        except BaseException as e:
+            # The cache reinstates the eviction victims of every block not noted as
+            # written. Only the pipeline queues work that writes the region, and it
+            # notes what it queued on every failure (note_written takes the union);
+            # any failure before it (the engine's event, context entry, key pruning,
+            # nonces) wrote nothing.
+            note_written(e, set())
+            raise
+
+    def _seal(
+        self,
+        pool: CudaMappedPool,
+        blocks: Sequence[BlockIO],
+        region: CudaHostRegion,
+        wait_event: bytes | None,
+        deadline: Deadline,
+    ) -> list[SealRecord]:
         TransferPipeline.check_blocks(pool, blocks, region)
         engine = self._open_event(wait_event)
         try:
@@ -248,11 +300,7 @@ class CudaBackend:
                 except BaseException as e:
                     self._guard.failed(e)
                     raise
-                try:
-                    deadline.check("the first page")  # the lock may have taken a while
-                except BaseException as e:
-                    note_written(e, set())
-                    raise
+                deadline.check("the first page")  # the lock may have taken a while
                 epoch, nonces = self._sealer.allocate_for_device(
                     len(blocks), _request_scope(blocks)
                 )
@@ -326,6 +374,7 @@ class CudaBackend:
         device. Best effort: each step runs even if an earlier one failed (logged).
         Idempotent."""
         with self._lock:
+            self._closed = True
             d = self._dev
 
             def step(what: str, fn: Callable[[], object]) -> None:

@@ -76,6 +76,12 @@ class Device(Protocol):
 
     def make_current(self) -> None: ...
 
+    def check_context(self) -> None:
+        """Raise CudaError unless the current context can still run work: it waits
+        for all of the context's work (``cuCtxSynchronize``), so callers make sure
+        none is queued (cheap then) and hold the backend lock."""
+        ...
+
     def alloc(self, nbytes: int) -> int: ...
 
     def free(self, ptr: int) -> None: ...
@@ -247,6 +253,11 @@ class CudaDevice:
 
     def make_current(self) -> None:
         self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+    def check_context(self) -> None:
+        # A lost context (an Xid, a sticky fault, a reset) fails this with the
+        # context's error; on a healthy idle context it returns at once.
+        self._check(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def alloc(self, nbytes: int) -> int:
         return int(self._check(self._cu.cuMemAlloc(max(1, nbytes)), f"cuMemAlloc({nbytes})"))

@@ -30,7 +30,11 @@ class EmulatedDevice:
     that :meth:`open_ipc_mem` maps back to ``buf``'s address. ``refuse_register``
     makes :meth:`host_register` fail like the CC-mode driver (error 801). An IPC
     event handle listed in ``pending_events`` never completes (an engine whose
-    stream is stuck); ``events_opened``/``events_destroyed`` count event handles.
+    stream is stuck); one listed in ``dead_events`` cannot be opened (its engine
+    exited); ``events_opened``/``events_destroyed`` count event handles.
+    :meth:`lose_context` stands in for an Xid or a GPU reset: from then on
+    :meth:`make_current`, :meth:`check_context` and :meth:`sync` fail with
+    CONTEXT_IS_DESTROYED (709), as the driver's calls do on a lost context.
 
     ``deferred=True`` models asynchrony: copies, memsets and kernels are queued (in
     issue order, a valid serialisation of both streams) and run only by ``sync`` or
@@ -53,6 +57,8 @@ class EmulatedDevice:
         self.refuse_register = refuse_register
         self.launches: list[tuple[str, int]] = []  # (kernel, grid) per launch, for tests
         self.pending_events: set[bytes] = set()
+        self.dead_events: set[bytes] = set()
+        self.lost = False
         self.events_opened = 0
         self.events_destroyed = 0
         self.syncs = 0
@@ -71,8 +77,21 @@ class EmulatedDevice:
         for op in ops:
             op()
 
+    def lose_context(self) -> None:
+        """Lose the context for good (see the class docstring); callable from any
+        thread, e.g. a signal handler."""
+        self.lost = True
+
+    def _alive(self, call: str) -> None:
+        if self.lost:
+            raise CudaError(f"{call} failed: CUDA_ERROR_CONTEXT_IS_DESTROYED (709)", 709)
+
     def make_current(self) -> None:
-        pass
+        self._alive("cuCtxSetCurrent")
+
+    def check_context(self) -> None:
+        self._alive("cuCtxSynchronize")
+        self.flush()  # as cuCtxSynchronize: everything queued runs (and may fail) first
 
     def alloc(self, nbytes: int) -> int:
         buf = ctypes.create_string_buffer(max(1, nbytes))
@@ -149,6 +168,7 @@ class EmulatedDevice:
         pass
 
     def sync(self, stream: Any) -> None:
+        self._alive("cuStreamSynchronize")
         self.syncs += 1
         ops, self.queued = self.queued, []
         for op in ops:  # everything issued so far: a valid order for either stream
@@ -158,6 +178,8 @@ class EmulatedDevice:
         return not (isinstance(event, _EmulatedIpcEvent) and event.handle in self.pending_events)
 
     def open_ipc_event(self, handle: bytes) -> Any:
+        if handle in self.dead_events:
+            raise CudaError("cuIpcOpenEventHandle failed: CUDA_ERROR_INVALID_VALUE (1)", 1)
         self.events_opened += 1
         return _EmulatedIpcEvent(handle)
 

@@ -164,7 +164,34 @@ class TransferPipeline:
         ciphertext to their extents; returns their records. ``deadline`` is checked
         before each chunk's kernels are queued and once more after everything
         completed (a seal that finished past the cutoff is discarded). On failure
-        the caller drains both streams."""
+        the caller drains both streams; the exception notes (``note_written``) the
+        blocks whose region writes were queued (or being queued) before it, which
+        are all that may have been written, also once the drain has run them: the
+        chunks whose kernels were launched when they write the region directly
+        (mapped), else the chunks whose D2H copies were being issued."""
+        written: set[int] = set()
+        try:
+            return self._seal(
+                tuning, contexts, pool, blocks, region, epoch, nonces, deadline, written
+            )
+        except BaseException as e:
+            note_written(e, written)
+            raise
+
+    def _seal(
+        self,
+        tuning: Tuning,
+        contexts: DeviceKeys,
+        pool: CudaMappedPool,
+        blocks: Sequence[BlockIO],
+        region: CudaHostRegion,
+        epoch: int,
+        nonces: list[bytes],
+        deadline: Deadline,
+        written: set[int],
+    ) -> list[SealRecord]:
+        """:meth:`seal`; adds to ``written`` each block whose extent queued work
+        may write (see there)."""
         d, n, bb = self._dev, len(blocks), pool.block_bytes
         if len(nonces) != n:
             raise RuntimeError("the sealer returned the wrong number of nonces")
@@ -198,22 +225,23 @@ class TransferPipeline:
         for ci, (a, b) in enumerate(chunks):
             # Each chunk is a bounded unit of page reads; a failed check stops here
             # and the caller drains what is queued (the chunks before this one).
-            try:
-                deadline.check(f"blocks [{a}, {b})")
-            except BaseException as e:
-                # No D2H copy is queued yet: the region holds nothing of this
-                # request, unless the kernels write it directly (mapped).
-                note_written(e, set(range(a)) if mapped else set())
-                raise
+            # No D2H copy is queued yet: the region holds nothing of this request,
+            # unless the kernels write it directly (mapped).
+            deadline.check(f"blocks [{a}, {b})")
             self._launch(
                 "kvseal_seal", self._batch(tuning, key, pool, desc, lay, staging, a, b), sk
             )
+            if mapped:  # queued (a launch that raised queued nothing): it writes the region
+                written.update(range(a, b))
             d.record(self._event(ci), sk)
         # Only now the D2H copies: under CC each one blocks this thread at issue,
         # and every kernel is already queued behind it.
         for ci, (a, b) in enumerate(chunks):
             d.wait(sc, self._event(ci))
             if not mapped:
+                # Before the first copy: one that fails may still have moved bytes
+                # (under CC a D2H runs through the bounce buffers at issue).
+                written.update(range(a, b))
                 for h, s, nbytes in plan_runs(host_offsets, staging_offsets, bb, a, b):
                     d.d2h_async(region.host_ptr + h, staging + s, nbytes, sc)
         d.d2h_async(host + lay.tags, desc + lay.tags, TAG_BYTES * n, sc)
