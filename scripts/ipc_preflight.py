@@ -14,11 +14,19 @@ API only: ``cuIpcOpenMemHandle`` and a read back of the bytes, ``cuIpcOpenEventH
 ``cuEventQuery`` and ``cuStreamWaitEvent``; then ``cuMemHostRegister`` of a 2 MiB
 mmap'd /dev/shm file (how a ``--host-region`` file is pinned) and ``cuMemHostAlloc``.
 
-One line per step, ``preflight: <step>: OK ...`` or ``FAILED: <CUresult name> (<code>)``;
-the last line sums up. Exit status: 0 IPC works (the memory and event steps), 1 it does
-not, 2 no torch CUDA here (nothing tried). Host-pinning failures are reported but do
-not fail the preflight: kvseal falls back to cuMemHostAlloc (and in CC mode
-cuMemHostRegister is refused by design).
+One line per step: ``preflight: <step>: OK ...``; ``FAILED: <call>: <CUresult name>
+(<code>)`` when the driver returned an error (a finding about this machine: the sandbox,
+the driver, the GPU's compute mode); or ``DEFECT (kvseal/cuda-bindings): <exception>``
+when a step raised a Python exception instead (an AttributeError or TypeError from a
+binding whose API changed, as cuda-bindings 13.4 did to the IPC handle types): that
+is a bug on our side or the bindings', not a limitation of the platform, and a daemon
+run would only repeat it. The last line sums up.
+
+Exit status: 0 IPC works (the memory and event steps); 1 it does not (CUDA errors: the
+platform); 2 no torch CUDA here (nothing tried); 3 a DEFECT (kvseal/cuda-bindings or
+the engine side's torch API), whatever else failed. Host-pinning failures are reported
+but do not fail the preflight: kvseal falls back to cuMemHostAlloc (and in CC mode
+cuMemHostRegister is refused by design); a DEFECT there does.
 
 Deliberately imports nothing from kvseal.
 """
@@ -40,12 +48,20 @@ from collections.abc import Callable
 from typing import Any
 
 HANDLE_BYTES = 64
+# How a step that raised a Python exception is reported (see the module docstring).
+DEFECT = "DEFECT (kvseal/cuda-bindings)"
+EXIT_OK, EXIT_IPC_FAILED, EXIT_NO_TORCH_CUDA, EXIT_DEFECT = 0, 1, 2, 3
 SIZE = 2 << 20  # bytes exported over IPC, and pinned by each host-memory step
 IPC_STEPS = ("ipc-mem-open", "ipc-mem-read", "ipc-event-open", "event-query", "stream-wait-event")
 
 
 def say(step: str, result: str) -> None:
     print(f"preflight: {step}: {result}", flush=True)
+
+
+def defect(e: BaseException) -> str:
+    """The report of a Python exception raised where a CUresult was expected."""
+    return f"{DEFECT}: {type(e).__name__}: {e}"
 
 
 # --------------------------------------------------------------------------------------
@@ -109,7 +125,7 @@ def child(spec: dict[str, Any]) -> int:
         except Failed as e:
             say(name, f"FAILED: {e}")
         except Exception as e:  # a binding that does not parse its arguments, say
-            say(name, f"FAILED: {type(e).__name__}: {e}")
+            say(name, defect(e))
         failed.append(name)
         return False
 
@@ -120,8 +136,11 @@ def child(spec: dict[str, Any]) -> int:
         check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         flags = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
         stream = check(cu.cuStreamCreate(flags), "cuStreamCreate")
-    except Exception as e:
+    except (Failed, RuntimeError) as e:  # RuntimeError: the bindings cannot load libcuda
         say("child-context", f"FAILED: {e}")
+        return len(IPC_STEPS)
+    except Exception as e:
+        say("child-context", defect(e))
         return len(IPC_STEPS)
     say("child-context", "OK")
     box: dict[str, Any] = {}
@@ -174,13 +193,16 @@ def child(spec: dict[str, Any]) -> int:
         failed += ["event-query", "stream-wait-event"]
 
     # Host pinning: reported, not counted (see the module docstring).
-    reg_flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
-    alloc_flags = cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
     scratch = (ctypes.c_char * SIZE)()  # DMA source for the pinned-memory checks
     try:
+        reg_flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
+        alloc_flags = cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
         dev_buf = check(cu.cuMemAlloc(SIZE), "cuMemAlloc")
     except Failed as e:
         say("host-setup", f"FAILED: {e}")
+        return sum(1 for f in failed if f in IPC_STEPS)
+    except Exception as e:
+        say("host-setup", defect(e))
         return sum(1 for f in failed if f in IPC_STEPS)
 
     def dma_into(host: int) -> None:
@@ -281,10 +303,10 @@ def parent(device: int, budget: float) -> int:
         import torch  # noqa: PLC0415 - only after the allocator setting above
     except ImportError as e:
         say("summary", f"SKIPPED: no torch ({e})")
-        return 2
+        return EXIT_NO_TORCH_CUDA
     if not torch.cuda.is_available():
         say("summary", f"SKIPPED: torch {torch.__version__} has no usable CUDA")
-        return 2
+        return EXIT_NO_TORCH_CUDA
     dev = torch.device("cuda", device)
     try:
         # A storage offset inside the allocation, as kvseal's pools have: the child
@@ -307,10 +329,14 @@ def parent(device: int, budget: float) -> int:
         stream.synchronize()
         cpu = t.cpu()
         want = hashlib.sha256(ctypes.string_at(cpu.data_ptr(), SIZE)).hexdigest()
-    except Exception as e:
+    except (AttributeError, TypeError) as e:  # torch's API changed, not the GPU
+        say("engine-export", f"DEFECT (preflight/torch API): {type(e).__name__}: {e}")
+        say("summary", f"{DEFECT}: the engine side could not export (torch {torch.__version__})")
+        return EXIT_DEFECT
+    except Exception as e:  # torch raises CUDA errors as RuntimeError subclasses
         say("engine-export", f"FAILED: {type(e).__name__}: {e}")
         say("summary", "FAILED: the engine side could not export (torch)")
-        return 1
+        return EXIT_IPC_FAILED
     offset = int(storage_offset) + t.storage_offset() * t.element_size()
     say("engine-export", f"OK (torch {torch.__version__}, handle type 'c', offset {offset})")
     spec = {
@@ -335,7 +361,7 @@ def parent(device: int, budget: float) -> int:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
         print(out or "", end="")
         say("summary", f"FAILED: the child did not finish within {timeout:g} s")
-        return 1
+        return EXIT_IPC_FAILED
     print(r.stdout, end="")
     if r.stderr.strip():
         print(r.stderr.strip()[-2000:], file=sys.stderr)
@@ -345,18 +371,28 @@ def parent(device: int, budget: float) -> int:
 
 
 def summarize(child_out: str, child_rc: int) -> tuple[str, int]:
-    """The summary line and exit status from the child's step lines."""
+    """The summary line and exit status from the child's step lines: a DEFECT line
+    anywhere wins (the platform findings next to it may be its consequences)."""
     lines = [ln for ln in child_out.splitlines() if ln.startswith("preflight: ")]
+    defects = [ln.removeprefix("preflight: ") for ln in lines if f": {DEFECT}: " in ln]
+    if defects:
+        step, _, what = defects[0].partition(f": {DEFECT}: ")
+        more = f" (+{len(defects) - 1} more)" if len(defects) > 1 else ""
+        return (
+            f"{DEFECT}: {what} in step {step}{more}: a bug in kvseal or cuda-bindings, "
+            "not a platform limitation",
+            EXIT_DEFECT,
+        )
     bad = [ln.split(": ")[1] for ln in lines if ": FAILED" in ln]
     ipc_bad = [s for s in bad if s in IPC_STEPS or s == "child-context"]
     ran = {ln.split(": ")[1] for ln in lines}
     missing = [f"{s} not reached" for s in IPC_STEPS if s not in ran]
     if child_rc != 0 or ipc_bad or missing:
         why = ", ".join(ipc_bad + missing) or f"child exit {child_rc}"
-        return f"FAILED: CUDA IPC between processes ({why})", 1
+        return f"FAILED: CUDA IPC between processes ({why})", EXIT_IPC_FAILED
     pin = [s for s in bad if s.startswith("host-")]
     note = f"; {', '.join(pin)} FAILED (kvseal falls back)" if pin else "; host pinning OK"
-    return f"OK: CUDA IPC memory + event across processes{note}", 0
+    return f"OK: CUDA IPC memory + event across processes{note}", EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,7 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
-        return 1 if child(json.loads(args.child)) else 0
+        try:
+            return EXIT_IPC_FAILED if child(json.loads(args.child)) else EXIT_OK
+        except Exception as e:  # raised outside any step: still ours, not the platform's
+            say("child", defect(e))
+            return EXIT_DEFECT
     return parent(args.device, args.budget)
 
 

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -905,6 +906,63 @@ def test_cuda_device_over_fake_driver(
     where = Path(loaded.group(2)).resolve()
     assert where.is_relative_to(NEWEST_BINDINGS_DIR.resolve()) == bool(first), where
     assert r.returncode == 0 and "ALL OK" in r.stdout, out
+
+
+@pytest.mark.parametrize("defect", [False, True], ids=["ok", "defect"])
+def test_ipc_preflight_child_over_fake_driver(
+    fake_libcuda: Path, bindings: tuple[str, list[str]], defect: bool
+) -> None:
+    """scripts/ipc_preflight.py's daemon half (cuda-python only) passes every step over
+    the fake driver under both bindings; a Python exception in a step is reported as a
+    kvseal/cuda-bindings DEFECT (exit 3), not as a platform limitation."""
+    want, first = bindings
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": f"{fake_libcuda}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+        "PYTHONPATH": os.pathsep.join(
+            [*first, str(REPO), str(REPO / "client"), str(REPO / "server")]
+        ),
+    }
+    argv = ["preflight", *(["defect"] if defect else [])]
+    r = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "gpu" / "fake_driver_run.py"), *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(rf"^cuda-bindings {re.escape(want)} from ", r.stdout, re.MULTILINE), out
+    assert r.returncode == 0 and "ALL OK" in r.stdout, out
+    steps = re.findall(r"^preflight: ([\w-]+): (OK|FAILED|DEFECT)", r.stdout, re.MULTILINE)
+    if defect:
+        assert ("ipc-mem-open", "DEFECT") in steps, out
+    else:
+        assert steps and all(v == "OK" for _, v in steps), out
+
+
+def test_cuda_extra_declares_the_tested_bindings() -> None:
+    """kvseal-server[cuda] admits both cuda-bindings releases the conformance test runs
+    under, and nothing newer than the newest: a release past it may change the API
+    again (13.4 made the IPC handle types opaque), so it must be tested before it is
+    declared."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((REPO / "server" / "pyproject.toml").read_text())["project"]
+    (spec,) = [
+        r.specifier
+        for r in map(Requirement, project["optional-dependencies"]["cuda"])
+        if r.name == "cuda-bindings"
+    ]
+    pinned, newest = Version(_pinned_bindings_version()), Version(_newest_bindings_version())
+    assert pinned in spec and newest in spec, (str(spec), pinned, newest)
+    next_minor = Version(f"{newest.major}.{newest.minor + 1}.0")
+    assert next_minor not in spec, f"{spec} admits {next_minor}, which no test ran"
+    # The pin is the oldest release tested: nothing older may be declared.
+    if pinned.micro > 0:
+        older = Version(f"{pinned.major}.{pinned.minor}.{pinned.micro - 1}")
+        assert older not in spec, f"{spec} admits {older}, older than the pinned {pinned}"
 
 
 def test_nvrtc_compile_leaves_one_byte_bytes_alone() -> None:

@@ -14,14 +14,24 @@ any exception, so a binding that changed its API (cuda-bindings 13.4 made the IP
 handle types opaque) could otherwise pass here and fail for every user. The first line
 printed names the cuda-bindings version and where it was loaded from.
 
-Usage: fake_driver_run.py SEAL_MODE CC [file] [ptx]
+``fake_driver_run.py preflight [defect]`` runs the child half of
+scripts/ipc_preflight.py (the daemon's side, cuda-python only) in this process, over
+memory and an event this process made: every step must pass, and with ``defect`` a
+handle the bindings refuse (the bytes themselves, not a CUipcMemHandle) must be
+reported as ``DEFECT (kvseal/cuda-bindings): TypeError`` with exit status 3.
+
+Usage: fake_driver_run.py SEAL_MODE CC [file] [ptx] | fake_driver_run.py preflight [defect]
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import hashlib
 import importlib
+import importlib.util
+import io
 import os
 import struct
 import sys
@@ -140,6 +150,8 @@ def install_recording_driver() -> RecordingDriver:
 
 def main(argv: list[str]) -> int:
     drv = install_recording_driver()
+    if argv[0] == "preflight":
+        return preflight(drv, "defect" in argv[1:])
     try:
         run(argv)
     finally:
@@ -149,6 +161,63 @@ def main(argv: list[str]) -> int:
             print(f"DRIVER API DEFECT: {d}")
     if drv.defects:
         print(f"FAILED: {len(drv.defects)} AttributeError/TypeError in driver calls")
+        return 1
+    print("ALL OK")
+    return 0
+
+
+def preflight(drv: RecordingDriver, defect: bool) -> int:
+    """The preflight's child over this process's own fake device memory and event."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "ipc_preflight.py")
+    spec_ = importlib.util.spec_from_file_location("ipc_preflight", path)
+    assert spec_ is not None and spec_.loader is not None
+    pf = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(pf)
+    fake = ctypes.CDLL("libcuda.so.1")
+    cu: Any = drv
+    assert int(cu.cuInit(0)[0]) == 0
+    _, dev = cu.cuDeviceGet(0)
+    _, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+    cu.cuCtxSetCurrent(ctx)
+    offset, size = 4096, int(pf.SIZE)
+    err, base = cu.cuMemAlloc(offset + size)  # the "engine's" tensor
+    assert int(err) == 0
+    payload = os.urandom(size)
+    ctypes.memmove(int(base) + offset, payload, size)  # fake device memory is host memory
+    mem = b"FAKEIPC!" + struct.pack("<Q", int(base)) + bytes(0x80 + i for i in range(16, 64))
+    spec = {
+        "device": 0,
+        "mem": mem.hex(),
+        "offset": offset,
+        "size": size,
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "event": (b"FAKEEVT!" + bytes(range(8, 64))).hex(),
+    }
+    if defect:  # the handle's bytes where the bindings want a CUipcMemHandle
+        pf.fill_handle = lambda h, raw: raw
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        failed = pf.child(spec)
+    print(out.getvalue(), end="")
+    verdict, rc = pf.summarize(out.getvalue(), 1 if failed else 0)
+    print(f"preflight: summary: {verdict} (exit {rc})")
+    cu.cuMemFree(base)
+    cu.cuDevicePrimaryCtxRelease(dev)
+    assert fake.fake_cuda_live() == 0, f"{fake.fake_cuda_live()} driver objects leaked"
+    assert fake.fake_cuda_ctx_refs() == 0, "primary context not released"
+    if defect:
+        assert rc == pf.EXIT_DEFECT, verdict
+        assert verdict.startswith("DEFECT (kvseal/cuda-bindings): TypeError"), verdict
+        assert "ipc-mem-open" in verdict, verdict
+        # The recorder saw the same exception: it was expected here.
+        assert any("cuIpcOpenMemHandle" in d and "TypeError" in d for d in drv.defects)
+        drv.defects.clear()
+    else:
+        assert rc == pf.EXIT_OK and verdict.startswith("OK: "), verdict
+        assert "host pinning OK" in verdict, verdict
+    for d in drv.defects:
+        print(f"DRIVER API DEFECT: {d}")
+    if drv.defects:
         return 1
     print("ALL OK")
     return 0
