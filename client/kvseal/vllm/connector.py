@@ -16,9 +16,14 @@ What it adds to vLLM's own OffloadingConnector, and why:
   has none) and becomes the kvseal tenant; the salt stays in this process;
 - a restore that failed is reported as load errors of its blocks
   (``get_block_ids_with_load_errors``): with ``kv_load_failure_policy`` set to
-  ``recompute`` vLLM recomputes them. vLLM 0.32's OffloadingConnector itself
+  ``recompute`` vLLM recomputes them. vLLM's OffloadingConnector itself
   supports no failed job; the connector forces ``recompute`` (and says so) when
   the policy is left at vLLM's default ``fail``.
+
+Works with vLLM 0.32 and 0.33 (docs/vllm.md, support matrix). 0.33 adds
+expedited loads (see the spec's worker), the manager's ``lock`` and
+``on_reset_flushed`` (see the manager) and ``vllm:kv_offload_config_info``
+(the spec's ``config_info_keys``, the manager's ``config_info``).
 """
 
 from __future__ import annotations
@@ -101,16 +106,19 @@ class KVSealOffloadingConnector(OffloadingConnector):
         mgr = sched.manager if sched is not None else None
         failed = connector_output.invalid_block_ids
         if sched is not None and failed and isinstance(mgr, spec.KVSealOffloadingManager):
-            mgr.note_load_errors(len(failed))  # vllm:kvseal_load_failed_blocks
-            # vLLM 0.32's (private) job and request tables. Every load job
-            # completed in this step is taken as failed: the GPU block ids of
-            # the errors cannot be mapped to jobs here, and a block wrongly
-            # forgotten only costs one recompute.
-            for job_id in getattr(meta, "completed_jobs", {}):  # meta may be None
-                job = sched._jobs.get(job_id)
-                st = sched._req_status.get(job.req_id) if job is not None else None
-                if job is not None and not job.is_store and st is not None:
-                    mgr.load_failed(job.keys, st.req_context)
+            # vLLM 0.33's protocol: every manager call under the manager's lock
+            # (taken here and released before vLLM's own code takes it again).
+            with mgr.lock:
+                mgr.note_load_errors(len(failed))  # vllm:kvseal_load_failed_blocks
+                # vLLM's (private, 0.32 and 0.33) job and request tables. Every load
+                # job completed in this step is taken as failed: the GPU block ids of
+                # the errors cannot be mapped to jobs here, and a block wrongly
+                # forgotten only costs one recompute.
+                for job_id in getattr(meta, "completed_jobs", {}):  # meta may be None
+                    job = sched._jobs.get(job_id)
+                    st = sched._req_status.get(job.req_id) if job is not None else None
+                    if job is not None and not job.is_store and st is not None:
+                        mgr.load_failed(job.keys, st.req_context)
         super().update_connector_output(connector_output)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -2,14 +2,28 @@
 re-exports everything here): :class:`KVSealOffloadingManager` answers vLLM's
 ``lookup`` from the daemons' mirrors and describes the blocks of each store
 and load (:class:`KVSealLoadStoreSpec`); requests' ``cache_salt`` reach it
-through :func:`note_request_salt`. Nothing here blocks on a daemon."""
+through :func:`note_request_salt`. Nothing here blocks on a daemon.
+
+The manager's ``lock`` (vLLM 0.33's protocol; 0.32 never takes it) is a real,
+reentrant lock: vLLM 0.33's scheduler holds it across a whole scheduling step
+(every ``lookup``, the ``prepare_load`` that follows a hit, ``prepare_store``)
+and around every other manager call, and the mirrors' threads hold it while
+they apply one batch of the daemon's changes. So within a step the set of
+blocks the manager calls held does not change: a block a step's ``lookup``
+found (``HIT``) is still one when ``prepare_load`` describes it, and an event's
+blocks appear all at once. It is never held across an RPC (the mirrors make
+their calls first, then take it to apply what they learnt). It cannot make the
+daemon keep a block: one it evicts after the lookup fails that restore, and
+vLLM recomputes the blocks (as before)."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +41,7 @@ from vllm.v1.kv_offload.base import (
     Medium,
     OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingGaugeMetadata,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -45,17 +60,51 @@ SHARED_TENANT = tenant_digest(None)
 # The metric kvseal adds to vLLM's own /metrics (through the spec's
 # build_metric_definitions and the manager's get_stats; exposed with "_total").
 LOAD_FAILED_BLOCKS = "vllm:kvseal_load_failed_blocks"
+# Blocks the tier holds for this engine on every rank (what the scheduler's
+# lookups can hit), as the mirrors last heard: a gauge.
+TIER_BLOCKS = "vllm:kvseal_tier_blocks"
+
+log = logging.getLogger("kvseal.vllm")
+
+# The labels of vLLM 0.33's ``vllm:kv_offload_config_info`` series for kvseal
+# (the spec declares them, the manager fills them once; vLLM 0.32 has no such
+# series and never asks). What an operator wants on a dashboard next to the
+# hit rates: which tier, which daemon, how big, which write mode.
+CONFIG_INFO_KEYS: tuple[str, ...] = (
+    "kvseal_backend",  # the daemon's backend: cpu or cuda ("unknown": not reached yet)
+    "kvseal_daemon_instance",  # rank 0's daemon start (a restart is a new key and cache)
+    "kvseal_socket",  # rank 0's daemon socket (one daemon per rank)
+    "kvseal_ranks",  # daemons (tensor-parallel ranks) a hit needs
+    "kvseal_host_bytes",  # rank 0's tier capacity (--host-bytes; 0: unknown)
+    "kvseal_block_bytes",  # plaintext bytes of one block on one rank
+    "kvseal_write_mode",  # write-through (default) or write-back
+    "kvseal_integrity_policy",  # the daemon's: abort or drop ("" unknown)
+    "kvseal_lookup_discovery",  # blocks stored before this engine found by Lookup
+    "kvseal_transfer_timeout_s",  # the deadline of one Offload/Restore
+)
 
 
 def metric_definitions() -> dict[str, Any]:
-    """The kvseal metrics vLLM registers for the spec (name -> vLLM metadata)."""
+    """The kvseal metrics vLLM registers for the spec (name -> vLLM metadata).
+    The gauge keeps vLLM 0.33's default ``multiprocess_mode`` (``mostrecent``:
+    with several API servers the freshest value, never a sum); vLLM 0.32's
+    metadata has no such field (its multiprocess gauges are per process)."""
     return {
         LOAD_FAILED_BLOCKS: OffloadingCounterMetadata(
             documentation="KV blocks kvseal could not restore (evicted since the "
             "lookup, failed verification, daemon unreachable or slow); vLLM "
             "recomputed them",
-        )
+        ),
+        TIER_BLOCKS: OffloadingGaugeMetadata(
+            documentation="KV blocks the kvseal tier holds for this engine on every "
+            "rank (what a lookup can hit), as the scheduler last heard from the daemons",
+        ),
     }
+
+
+def config_info_keys() -> tuple[str, ...]:
+    """Label names of kvseal's ``vllm:kv_offload_config_info`` series (vLLM >= 0.33)."""
+    return CONFIG_INFO_KEYS
 
 
 # request -> cache_salt (vLLM's ReqContext carries no salt), filled in by the
@@ -130,7 +179,12 @@ class KVSealOffloadingManager(OffloadingManager):
 
     def __init__(self, spec: ManagerSpec) -> None:
         self.spec = spec
-        self._lock = threading.Lock()
+        # vLLM 0.33's manager lock (see module doc). Reentrant: a holder that
+        # calls load_failed reaches _changed through the mirror on its own thread.
+        self._lock = threading.RLock()
+        self._ready_blocks = 0  # sum of len(_ready[t]): the TIER_BLOCKS gauge
+        self._reported_blocks = 0  # its value in the last get_stats
+        self.resets_flushed = 0  # on_reset_flushed calls (vLLM >= 0.33)
         self._reqs: dict[str, _ReqState] = {}
         # (tenant, hash) -> ranks whose daemon holds the block; a hit needs all.
         self._held: dict[tuple[bytes, bytes], int] = {}
@@ -155,6 +209,7 @@ class KVSealOffloadingManager(OffloadingManager):
                 spec.fingerprint(rank),
                 spec.geometry_template(),
                 self._changed,
+                update_lock=self._lock,
             )
             for rank in range(self.world)
         ]
@@ -174,9 +229,11 @@ class KVSealOffloadingManager(OffloadingManager):
             after = n >= self.world
             if after and not before:
                 self._ready.setdefault(tenant, set()).add(h)
+                self._ready_blocks += 1
             elif before and not after:
                 s = self._ready[tenant]
                 s.discard(h)
+                self._ready_blocks -= 1
                 if not s:
                     del self._ready[tenant]
             else:
@@ -210,6 +267,14 @@ class KVSealOffloadingManager(OffloadingManager):
         return h
 
     # ------------------------------------------------------------ vLLM API
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """vLLM 0.33: held by the scheduler across a step's lookups, prepare_load
+        and prepare_store, and by the mirrors' threads while they apply a batch of
+        the daemons' changes (module doc). A real lock, reentrant; no RPC is made
+        under it. vLLM 0.32 never takes it."""
+        return self._lock
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         # _tenant_of also names the tenant on every mirror's pool: the daemon
@@ -364,20 +429,67 @@ class KVSealOffloadingManager(OffloadingManager):
         self._load_failed_blocks += n_blocks
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """vLLM's hook for connector metrics, once per scheduler step: what was
-        counted since the last call (None when nothing was)."""
+        """vLLM's hook for connector metrics, once per scheduler step: the failed
+        blocks counted since the last call, and the tier's block count when it
+        changed since the last report (a gauge keeps its last value); None when
+        neither."""
         n, self._load_failed_blocks = self._load_failed_blocks, 0
-        if not n:
+        blocks = self._ready_blocks
+        if not n and blocks == self._reported_blocks:
             return None
         stats = OffloadingConnectorStats()
-        stats.increase_counter(LOAD_FAILED_BLOCKS, n)
+        if n:
+            stats.increase_counter(LOAD_FAILED_BLOCKS, n)
+        if blocks != self._reported_blocks:
+            stats.set_gauge(TIER_BLOCKS, blocks)
+            self._reported_blocks = blocks
         return stats
 
+    def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
+        """vLLM 0.33's ``vllm:kv_offload_config_info``: one series, labelled with
+        :data:`CONFIG_INFO_KEYS`. vLLM reads it once, at the first scheduler
+        step's stats, and it must not change afterwards: the daemon's facts are
+        those rank 0's mirror learnt by then ("unknown", 0 or "" if it had not
+        reached its daemon yet; the mirror registers at engine start, long
+        before the first step as a rule). Reads only what the mirror holds: no
+        RPC."""
+        m = self.mirrors[0]
+        extra = self.spec.extra_config
+        return [
+            {
+                "kvseal_backend": m.backend or "unknown",
+                "kvseal_daemon_instance": m.server_instance or "",
+                "kvseal_socket": self.spec.socket(0),
+                "kvseal_ranks": self.world,
+                "kvseal_host_bytes": m.host_bytes_capacity,
+                "kvseal_block_bytes": sum(
+                    seg.bytes for seg in self.spec.geometry_template().segments
+                ),
+                "kvseal_write_mode": "write-back"
+                if bool(extra.get("kvseal_write_back", False))
+                else "write-through",
+                "kvseal_integrity_policy": m.integrity_policy,
+                "kvseal_lookup_discovery": self.spec.discovery,
+                "kvseal_transfer_timeout_s": float(extra.get("kvseal_transfer_timeout_s", 10.0)),
+            }
+        ]
+
     def reset_cache(self) -> None:
-        # vLLM's reset drops its own view; the sealed tier keeps serving restores
-        # it can verify, so only the per-request state goes.
+        """vLLM's prefix-cache reset. vLLM's reset drops its own view; the sealed
+        tier keeps serving restores it can verify (its blocks are the daemon's,
+        not this engine's), so only the per-request state goes: pending stores
+        included (a store job in flight at the reset is never completed by vLLM;
+        its block becomes a hit once the daemon announces it)."""
         self._reqs.clear()
         self._storing.clear()
+
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.33: every job in flight at the last ``reset_cache`` has been
+        reported by the workers. kvseal frees no host slot on a reset (the
+        daemon owns them), so nothing waits for this fence; it is counted
+        (``resets_flushed``) and logged."""
+        self.resets_flushed += 1
+        log.info("kvseal: the transfers in flight at vLLM's cache reset have ended")
 
     def shutdown(self) -> None:
         for m in self.mirrors:

@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any
 
 import grpc
@@ -44,7 +44,8 @@ log = logging.getLogger("kvseal.vllm")
 RESYNC_BATCH = 1024  # hashes per resynchronising Lookup (below the daemon's batch limit)
 MAX_ABSENT = 1 << 20  # known-absent blocks remembered for discovery before starting over
 
-# (rank, tenant, hash, present) -> None: called on every change, under no lock.
+# (rank, tenant, hash, present) -> None: called on every change, under no lock
+# but the ``update_lock`` the mirror was given (if any).
 ChangeFn = Callable[[int, bytes, bytes, bool], None]
 
 
@@ -79,8 +80,21 @@ class DaemonMirror:
 
     ``contains`` and ``blocks`` are safe from any thread; ``on_change`` (given at
     construction) is called from the mirror's thread for every block that
-    appears or disappears. ``close`` stops the thread and unregisters the
-    observer pool.
+    appears or disappears (and from the caller's thread for :meth:`forget`).
+    ``close`` stops the thread and unregisters the observer pool.
+
+    ``update_lock`` (optional, e.g. the vLLM manager's ``lock``) is held while
+    one batch of changes (one event, one resync batch, one discovery answer,
+    one reset) is applied to the mirror and passed to ``on_change``: whoever
+    holds it sees either none or all of a batch, and no batch lands while it
+    is held. It is never held across an RPC, and it must be reentrant if the
+    holder itself calls :meth:`forget`.
+
+    What the mirror learnt of the daemon at its last registration (for the
+    engine's dashboards): ``server_instance``, ``backend`` (``"cpu"``,
+    ``"cuda"``; None before the first registration), ``host_bytes_capacity``,
+    ``block_bytes`` and ``integrity_policy`` (0 / "" when the daemon's Stats
+    could not be read).
     """
 
     def __init__(
@@ -93,6 +107,7 @@ class DaemonMirror:
         on_change: ChangeFn,
         *,
         retry_s: float = 0.5,
+        update_lock: AbstractContextManager[Any] | None = None,
     ) -> None:
         self.rank = rank
         self.target = target
@@ -106,6 +121,7 @@ class DaemonMirror:
         self._fingerprint = fingerprint
         self._geometry = observer_geometry(geometry)
         self._on_change = on_change
+        self._update_lock: AbstractContextManager[Any] = update_lock or nullcontext()
         self._retry_s = retry_s
         self._lock = threading.Lock()
         self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes READY on the daemon
@@ -115,6 +131,10 @@ class DaemonMirror:
         self.namespace: bytes | None = None
         self.pool_id: str | None = None
         self.server_instance: str | None = None
+        self.backend: str | None = None
+        self.host_bytes_capacity = 0
+        self.block_bytes = 0
+        self.integrity_policy = ""
         self.synced = threading.Event()  # set while the stream is live and resynced
         # Discovery (opt-in): blocks the daemon held before this mirror subscribed.
         self._absent: set[tuple[bytes, bytes]] = set()  # checked absent (or failed)
@@ -251,32 +271,36 @@ class DaemonMirror:
 
     def _set(self, tenant: bytes, hashes: Iterable[bytes], present: bool) -> None:
         changed: list[bytes] = []
-        with self._lock:
-            s = self._ready.setdefault(tenant, set())
-            for h in hashes:
-                if present and h not in s:
-                    s.add(h)
-                    changed.append(h)
-                elif not present and h in s:
-                    s.discard(h)
-                    changed.append(h)
-                if not present:
-                    self._absent.add((tenant, h))
-            if not s:
-                self._ready.pop(tenant, None)
-        for h in changed:
-            self._on_change(self.rank, tenant, h, present)
+        # The update lock first (the order every thread takes them in): the
+        # batch reaches the mirror and on_change as one step for its holder.
+        with self._update_lock:
+            with self._lock:
+                s = self._ready.setdefault(tenant, set())
+                for h in hashes:
+                    if present and h not in s:
+                        s.add(h)
+                        changed.append(h)
+                    elif not present and h in s:
+                        s.discard(h)
+                        changed.append(h)
+                    if not present:
+                        self._absent.add((tenant, h))
+                if not s:
+                    self._ready.pop(tenant, None)
+            for h in changed:
+                self._on_change(self.rank, tenant, h, present)
 
     def _forget_discovery(self) -> None:
         self._absent = set()  # replaced, not cleared: readers need no lock
 
     def _clear(self) -> None:
         self._forget_discovery()
-        with self._lock:
-            old, self._ready = self._ready, {}
-        for tenant, hashes in old.items():
-            for h in hashes:
-                self._on_change(self.rank, tenant, h, False)
+        with self._update_lock:
+            with self._lock:
+                old, self._ready = self._ready, {}
+            for tenant, hashes in old.items():
+                for h in hashes:
+                    self._on_change(self.rank, tenant, h, False)
 
     # ------------------------------------------------------------ thread
 
@@ -294,6 +318,14 @@ class DaemonMirror:
             h.pool_id,
             h.server_instance,
         )
+        self.block_bytes = int(h.block_bytes)
+        try:  # facts for dashboards only: a failed Stats costs nothing else
+            st = self._client.stats()
+            self.backend = pb.Backend.Name(st.backend).removeprefix("BACKEND_").lower()
+            self.host_bytes_capacity = int(st.host_bytes_capacity)
+            self.integrity_policy = st.integrity_policy
+        except KVSealRpcError as e:
+            log.info("kvseal mirror %d: Stats failed: %s", self.rank, e)
         if self._hold is not None:
             self._hold.close(wait=0)
         self._hold = PoolHold(self._client._stub, h.pool_id, retry=True)

@@ -20,8 +20,9 @@ across salts) and a failed restore cannot be reported as a recompute.
   completed; then a miss).
 - :class:`KVSealOffloadingWorker` (worker process) registers this rank's KV
   pool with its daemon and turns ``submit_store``/``submit_load`` into
-  ``Offload``/``Restore`` calls on its own thread; ``get_finished`` reports each
-  job. A failed restore wrote nothing into the KV cache (the daemon verifies
+  ``Offload``/``Restore`` calls on its own threads (stores, loads, and vLLM
+  0.33's expedited loads each on one of their own); ``get_finished`` reports
+  each job. A failed restore wrote nothing into the KV cache (the daemon verifies
   every block before it writes any, and after a failed call touches nothing);
   its destination blocks are reported through
   :meth:`KVSealOffloadingWorker.take_failed_block_ids`, which the connector
@@ -45,10 +46,13 @@ from kvseal.vllm import keys
 from kvseal.vllm.kv_pool import EngineEvent, KVPool
 from kvseal.vllm.manager import (  # re-exported: the spec's public names
     ANNOUNCE_GRACE_S,
+    CONFIG_INFO_KEYS,
     LOAD_FAILED_BLOCKS,
     SHARED_TENANT,
+    TIER_BLOCKS,
     KVSealLoadStoreSpec,
     KVSealOffloadingManager,
+    config_info_keys,
     metric_definitions,
     note_request_salt,
 )
@@ -68,8 +72,10 @@ log = logging.getLogger("kvseal.vllm")
 
 __all__ = [
     "ANNOUNCE_GRACE_S",
+    "CONFIG_INFO_KEYS",
     "LOAD_FAILED_BLOCKS",
     "SHARED_TENANT",
+    "TIER_BLOCKS",
     "KVSealLoadStoreSpec",
     "KVSealOffloadingManager",
     "KVSealOffloadingSpec",
@@ -104,16 +110,21 @@ class _Job:
     store: bool
     spec: KVSealLoadStoreSpec
     pages: list[int]
+    expedited: bool = False  # vLLM 0.33: waited on within the step
     # CUDA: recorded on vLLM's stream when the job was submitted (kept alive
     # until the transfer returned; see KVPool.engine_event).
     event: EngineEvent | None = None
 
 
 class KVSealOffloadingWorker(OffloadingWorker):
-    """Worker side (see module doc). Two transfer threads per worker, one for
-    loads and one for stores: each kind runs in submission order, off vLLM's
-    thread, and a load never waits behind stores; the daemon batches each
-    job's blocks.
+    """Worker side (see module doc). Three transfer threads per worker, for
+    stores, loads and expedited loads: each kind runs in submission order, off
+    vLLM's thread; a load never waits behind stores, and an expedited load
+    (vLLM 0.33: its request already runs in this step, and vLLM waits for
+    it before the forward pass) behind neither stores nor regular loads. The
+    daemon batches each job's blocks. ``wait`` waits for the given jobs only,
+    each bounded by the transfer timeout (``kvseal_transfer_timeout_s``): a
+    stalled daemon delays that step, then the load fails and vLLM recomputes.
 
     The KV cache is this rank's :class:`~kvseal.vllm.kv_pool.KVPool`: on vLLM's CPU
     platform a shared-memory pool (CPU backend); on a GPU the KV tensors exported
@@ -133,6 +144,9 @@ class KVSealOffloadingWorker(OffloadingWorker):
         # transfer time to every restore's TTFT).
         self._loads: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stores: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # vLLM 0.33's expedited loads: the engine's step waits for each, so one
+        # must not queue behind regular loads, whose requests wait anyway.
+        self._expedited: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done: list[TransferResult] = []
         self._failed_blocks: set[int] = set()  # of failed loads get_finished reported
         self._failed_jobs: dict[int, list[int]] = {}  # failed loads not reported yet
@@ -141,6 +155,7 @@ class KVSealOffloadingWorker(OffloadingWorker):
         self.stats = {
             "stores": 0,
             "loads": 0,
+            "expedited_loads": 0,  # of the loads
             "failed_loads": 0,
             "partial_loads": 0,  # failed loads whose leading blocks were restored
             "dropped_stores": 0,
@@ -202,7 +217,11 @@ class KVSealOffloadingWorker(OffloadingWorker):
                 )
         self._threads = [
             threading.Thread(target=self._run, args=(q,), name=name, daemon=True)
-            for q, name in ((self._loads, "kvseal-loads"), (self._stores, "kvseal-stores"))
+            for q, name in (
+                (self._loads, "kvseal-loads"),
+                (self._stores, "kvseal-stores"),
+                (self._expedited, "kvseal-expedited"),
+            )
         ]
         for t in self._threads:
             t.start()
@@ -215,9 +234,19 @@ class KVSealOffloadingWorker(OffloadingWorker):
         assert isinstance(dst_spec, KVSealLoadStoreSpec)
         return self._submit(_Job(job_id, True, dst_spec, [int(b) for b in src_spec.block_ids]))
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """Queue a restore; never blocks. ``expedited`` (vLLM >= 0.33 passes it for
+        a load its request needs in the current step, then waits for it) runs
+        on its own thread, ahead of every regular load and store."""
         assert isinstance(src_spec, KVSealLoadStoreSpec)
-        return self._submit(_Job(job_id, False, src_spec, [int(b) for b in dst_spec.block_ids]))
+        pages = [int(b) for b in dst_spec.block_ids]
+        return self._submit(_Job(job_id, False, src_spec, pages, expedited=bool(expedited)))
 
     def _submit(self, job: _Job) -> bool:
         # On vLLM's thread, whose current stream issued the KV writes (store) and
@@ -231,7 +260,8 @@ class KVSealOffloadingWorker(OffloadingWorker):
                 log.error("kvseal: recording the job's CUDA event failed: %s", e)
         with self._cv:
             self._pending.add(job.job_id)
-        (self._stores if job.store else self._loads).put(job)
+        q = self._stores if job.store else self._expedited if job.expedited else self._loads
+        q.put(job)
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -254,11 +284,15 @@ class KVSealOffloadingWorker(OffloadingWorker):
         return out
 
     def wait(self, job_ids: set[int]) -> None:
+        """Block until every job in ``job_ids`` has ended (not any other: vLLM 0.33
+        waits for its expedited loads in the step while stores and regular loads
+        go on). Each ends within the transfer timeout, failed or not; unknown ids
+        do not wait."""
         with self._cv:
             self._cv.wait_for(lambda: not (self._pending & job_ids))
 
     def shutdown(self) -> None:
-        for q in (self._loads, self._stores):
+        for q in (self._loads, self._stores, self._expedited):
             q.put(None)
         for t in self._threads:
             t.join(5.0)
@@ -286,6 +320,7 @@ class KVSealOffloadingWorker(OffloadingWorker):
                     self.stats["dropped_stores"] += bool(failed)
                 else:
                     self.stats["loads"] += 1
+                    self.stats["expedited_loads"] += job.expedited
                     if failed:
                         self.stats["failed_loads"] += 1
                         self.stats["partial_loads"] += len(failed) < len(job.pages)
@@ -351,6 +386,12 @@ class KVSealOffloadingSpec(OffloadingSpec):
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
         """The metrics kvseal adds to vLLM's /metrics (``vllm:kvseal_*``)."""
         return metric_definitions()
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM >= 0.33: the labels of kvseal's ``vllm:kv_offload_config_info``
+        series, which the manager's ``config_info`` fills (:data:`CONFIG_INFO_KEYS`)."""
+        return config_info_keys()
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
