@@ -92,6 +92,9 @@ class ServerConfig:
     rekey_after: int = 2**32
     grace_seconds: float = 5.0
     engine_event_timeout: float = 30.0  # cuda: how long an engine's IPC event may stay pending
+    # Seconds between checks that the device still works while idle (a lost CUDA
+    # context: health NOT_SERVING, exit 4); 0 turns the check off.
+    device_check_interval: float = 5.0
     log_format: str = "text"
     log_level: str = "INFO"
 
@@ -126,6 +129,8 @@ class ServerConfig:
             raise ValueError("--workers must be >= 0")
         if not self.engine_event_timeout > 0:
             raise ValueError("--engine-event-timeout must be > 0 seconds")
+        if not self.device_check_interval >= 0:  # also refuses NaN
+            raise ValueError("--device-check-interval must be >= 0 seconds (0: off)")
         if self.socket_group is not None and not self.listen.startswith("unix://"):
             raise ValueError("--socket-group applies to a unix:// socket only")
         if self.socket_group is not None and not self.socket_group.strip():

@@ -118,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with DEADLINE_EXCEEDED; nothing is read or written then [KVSEAL_ENGINE_EVENT_TIMEOUT]",
     )
     p.add_argument(
+        "--device-check-interval",
+        type=float,
+        default=float(_env("KVSEAL_DEVICE_CHECK_INTERVAL", "5") or 5),
+        help="cuda: seconds between checks that the GPU context still works while idle; "
+        "a lost context turns health NOT_SERVING and exits 4; 0: off "
+        "[KVSEAL_DEVICE_CHECK_INTERVAL]",
+    )
+    p.add_argument(
         "--log-format",
         choices=("text", "json"),
         default=_env("KVSEAL_LOG_FORMAT", "text"),
@@ -153,6 +161,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         rekey_after=args.rekey_after,
         grace_seconds=args.grace,
         engine_event_timeout=args.engine_event_timeout,
+        device_check_interval=args.device_check_interval,
         max_holds=args.max_holds,
         log_format=args.log_format,
         log_level=args.log_level.upper(),

@@ -3,8 +3,10 @@
 Lifecycle (``Daemon.create`` -> ``start`` -> ``wait``): both locks (socket,
 region) -> cipher self-test -> pick the backend (``make_backend``) -> create the
 host region -> bind (gRPC on a private socket behind the SO_PEERCRED relay, or
-tcp:// with mutual TLS) -> health SERVING -> systemd READY=1 -> ... shutdown ->
-health NOT_SERVING -> drain -> release everything -> exit status.
+tcp:// with mutual TLS) -> health SERVING -> systemd READY=1 -> a periodic device
+check (``--device-check-interval``) -> ... shutdown -> health NOT_SERVING -> drain
+-> release everything -> exit status (4, EXIT_BACKEND, once the backend can no
+longer serve: a lost CUDA context, found by a request or by the check).
 """
 
 from __future__ import annotations
@@ -252,6 +254,20 @@ class Daemon:
             self.cfg.integrity_policy.value,
         )
         sd_notify("READY=1\nSTATUS=serving")
+        if self.cfg.device_check_interval > 0:
+            threading.Thread(
+                target=self._check_device, name="kvseal-device-check", daemon=True
+            ).start()
+
+    def _check_device(self) -> None:
+        """Every ``device_check_interval`` seconds until shutdown begins, the
+        backend's cheap device check: a CUDA context lost while no request runs is
+        reported through the backend's broken callback (``on_broken`` in
+        :meth:`create`: health NOT_SERVING, exit EXIT_BACKEND) as a failure inside
+        a request would be. The check never raises and skips while a request holds
+        the backend; the backend ignores it once closed."""
+        while not self.stop_event.wait(self.cfg.device_check_interval):
+            self.cache.backend.check_device()
 
     def begin_shutdown(self, exit_code: int = 0) -> None:
         """Idempotent; callable from any thread (signal handler, RPC thread)."""

@@ -199,11 +199,12 @@ class CudaBackend:
             if self._closed or self._guard.broken is not None:
                 return
             try:
-                self._guard.enter()
+                self._dev.make_current()
                 self._dev.check_context()
             except CudaError as e:
-                self._guard.note(e)
-                self._guard.mark_broken(f"the periodic device check failed: {e}")
+                self._guard.mark_broken(
+                    f"CUDA context lost or unusable, found by the periodic device check: {e}"
+                )
         finally:
             self._lock.release()
 
