@@ -50,6 +50,14 @@ test: cuda-bindings-newest
 
 # ---------------------------------------------------------------------------------
 # GPU runs (need an NVIDIA GPU): benchmark and the one-shot device check.
+#
+# The device check (scripts/device_check.sh; its header is the reference) is the GPU
+# work only, at most 300 s, so that a 15-minute device lease (1-2 minutes of machine
+# start included) leaves room to rerun a failed stage: stages env, probe, deps, nvrtc,
+# preflight, daemon, inprocess, bench (quick); `make device-check STAGES="preflight
+# daemon"` runs a selection (env always; probe and deps when a selected stage needs
+# them). No GPU: exit 3 after the env facts. The CPU-only checks (emulator, fake driver
+# under both cuda-bindings) run in `make test`, not there.
 
 # Everything the device check needs beyond the device image's torch and cuda-python
 # (pip download also fetches dependencies), at the versions requirements-dev.txt pins.
@@ -77,10 +85,11 @@ DEVICE_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_34_x86_64 manylinux_2_17_x
 bench-gpu: venv
 	$(PY) bench/bench_gpu.py $(ARGS)
 
-## One script for a GPU machine without network (system python3). On the device run
-## `bash scripts/device_check.sh` directly: its image may have no make.
+## GPU work in <= 300 s on a machine without network (system python3). STAGES="..."
+## selects from: env probe deps nvrtc preflight daemon inprocess bench (default all).
+## On the device run `bash scripts/device_check.sh` directly: its image may have no make.
 device-check:
-	bash scripts/device_check.sh
+	STAGES="$(STAGES)" bash scripts/device_check.sh
 
 ## Download the wheels device-check installs offline (run where there is network).
 device-wheels: venv
