@@ -161,8 +161,15 @@ def _blocks(pool: DevicePool, pages: list[int]) -> list[BlockIO]:
 
 
 @pytest.fixture(scope="module")
-def backend() -> Iterator[CudaBackend]:
-    b = CudaBackend(DeviceSealer(), 0)
+def sealer() -> DeviceSealer:
+    """The module backend's sealer: a test that seals outside the backend draws its
+    epoch and nonces here (a key epoch exists only once something drew from it)."""
+    return DeviceSealer()
+
+
+@pytest.fixture(scope="module")
+def backend(sealer: DeviceSealer) -> Iterator[CudaBackend]:
+    b = CudaBackend(sealer, 0)
     yield b
     b.close()
 
@@ -195,20 +202,22 @@ def test_gpu_seal_equals_aesgcm_and_round_trips(backend: CudaBackend, make: obje
         region.close()
 
 
-def test_gpu_opens_what_the_cpu_format_sealed(backend: CudaBackend) -> None:
+def test_gpu_opens_what_the_cpu_format_sealed(backend: CudaBackend, sealer: DeviceSealer) -> None:
     pool = _odd_pool(4)
     region = backend.make_region(1 << 20, None)
     mapped = backend.map_local_pool(pool.spec, [b.data_ptr() for b in pool.bufs])
     try:
         blocks = _blocks(pool, [1, 3])
+        # The blocks' key epoch and nonces, drawn as a seal would (this test runs
+        # alone too: no earlier test need have created the epoch).
+        epoch, nonces = sealer.allocate_for_device(len(blocks), (NS, TENANT))
         records = []
         want = {}
-        for b in blocks:
+        for b, nonce in zip(blocks, nonces, strict=True):
             data = os.urandom(b.size)
-            nonce = os.urandom(12)
-            sealed = AESGCM(known_key(0)).encrypt(nonce, data, b.ad.encode())
+            sealed = AESGCM(known_key(epoch)).encrypt(nonce, data, b.ad.encode())
             region.write(b.extent.offset, memoryview(sealed[:-16]))
-            records.append(SealRecord(0, nonce, sealed[-16:]))
+            records.append(SealRecord(epoch, nonce, sealed[-16:]))
             want[b.page] = data
         assert backend.open_blocks(mapped, blocks, records, region) == []
         for b in blocks:
@@ -249,6 +258,7 @@ def test_gpu_deadline_at_every_boundary_touches_no_page_after(
     still hold torch's bytes once both kvseal streams are synchronised (anything left
     queued would have landed then); a seal failing at each check returns nothing."""
     pool = _qwen_pool(8)
+    min_chunk_bytes = backend.min_chunk_bytes
     backend.min_chunk_bytes = 1  # 4 chunks for 8 blocks: every boundary is reachable
     region = backend.make_region(64 << 20, None)
     mapped = backend.map_local_pool(pool.spec, [b.data_ptr() for b in pool.bufs])
@@ -279,7 +289,7 @@ def test_gpu_deadline_at_every_boundary_touches_no_page_after(
             backend._dev.sync(backend._dev.copy_stream)
             assert all(pool.read(p) == b"\x3c" * pool.block_bytes for p in plain)
     finally:
-        backend.min_chunk_bytes = 16 << 20
+        backend.min_chunk_bytes = min_chunk_bytes  # as the other tests expect it
         mapped.close()
         region.close()
 
