@@ -904,11 +904,9 @@ def test_image_requirements_pinned_and_complete() -> None:
             m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)", raw.split("#", 1)[0].strip())
             if m:
                 dev_pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
-        # CI pins the CUDA 13 NVRTC bindings only to compile kernels without a
-        # GPU; the image follows its CUDA 12.8 base (driver compatibility).
-        cuda_toolkit_bound = {"cuda-bindings", "cuda-python", "cuda-pathfinder"}
+        # cuda-bindings included: the image runs the bindings CI tests (CUDA 13 base).
         for name, version in pins.items():
-            if name in dev_pins and name not in cuda_toolkit_bound:
+            if name in dev_pins:
                 assert dev_pins[name] == version, (name, version, dev_pins[name])
 
 
