@@ -253,11 +253,26 @@ class KVSealClient:
 
         The pages belong to kvseal until this returns. On success every page
         holds its verified block. On any KVSealRpcError the daemon writes none
-        of the pages any more, so the engine may reuse them at once; what they
-        hold then is unspecified but never unverified bytes (nothing is written
-        unless every block of the request verified; only a restore stopped in
-        the middle of its writes, which takes a daemon starved for half the
-        grace, leaves some pages holding their verified blocks)."""
+        of the pages any more, so the engine may reuse them at once. What they
+        hold then depends on when the request failed:
+
+        - untouched, when it failed before its first page write: a refused
+          request (bad input, an unknown pool, an absent block, an unusable
+          pool or event handle), an integrity failure (DATA_LOSS: nothing is
+          written unless every block of the request verified), keys destroyed
+          by a drop, the engine's CUDA event not completing, or a deadline,
+          cancellation or shutdown met before the writes began;
+        - any of the request's own pages partly or wholly overwritten with
+          its *verified* block, when it failed once the writes had begun: on
+          CUDA a device error during or after the open pass (INTERNAL); on CPU
+          a restore stopped in the middle of its writes (a daemon starved for
+          half the grace) or by a write to the pool that failed (an object the
+          engine shrank that cannot grow back).
+
+        Never unverified bytes, never a page outside the request. The status
+        code alone does not tell the two cases apart (nor does a local timeout
+        or a lost connection): treat every page of a failed restore as
+        garbage."""
         r = self._transfer(
             "Restore",
             pb.RestoreRequest(

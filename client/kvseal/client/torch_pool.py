@@ -292,7 +292,10 @@ def ipc_event_handle(event: torch.cuda.Event) -> bytes:
     """The 64-byte ``cudaIpcEventHandle_t`` of ``torch.cuda.Event(interprocess=True)``.
 
     Record the event on the stream that wrote (offload) or last read (restore) the
-    pages, then pass the handle with the request; the daemon's stream waits on it.
+    pages, then pass the handle with the request. The daemon polls it on the host
+    (``cuEventQuery``; at most ``--engine-event-timeout``, then DEADLINE_EXCEEDED
+    with nothing touched) and reads (offload) or writes (restore) the pages only
+    once it has completed; no GPU stream of the daemon ever waits on it.
     """
     ev: Any = event  # ipc_handle is untyped in torch's stubs
     raw = bytes(ev.ipc_handle())

@@ -19,9 +19,10 @@ turns the views into the daemon's ``PoolGeometry``:
   ``cudaMalloc`` allocation); the pool is for the CUDA backend, and every
   transfer carries an interprocess CUDA event (:meth:`KVPool.engine_event`)
   recorded on the engine's current stream when vLLM submits the job: the
-  daemon's copy stream waits for it, so it reads pages only after the engine's
-  writes to them (offload) and writes pages only after the engine's last use of
-  them (restore). A restore's reply comes after its bytes are in the pages.
+  daemon polls it on the host (``cuEventQuery``) until it has completed, so it
+  reads pages only after the engine's writes to them (offload) and writes pages
+  only after the engine's last use of them (restore). A restore's reply comes
+  after its bytes are in the pages.
 
 :class:`KVPool` is what :class:`kvseal.vllm.spec.KVSealOffloadingWorker` holds
 (its registration and transfers); it is usable without vLLM (tests/gpu).

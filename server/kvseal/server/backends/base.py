@@ -89,7 +89,10 @@ class Backend(Protocol):
     """See the module docstring for the contract of each method.
 
     ``wait_event`` is the engine's CUDA IPC event handle (CUDA backend only):
-    the backend must wait on it before touching the pool's pages.
+    the backend polls it on the host until it has completed before the first
+    work that reads (seal) or writes (open) the pool's pages is queued; it never
+    queues a GPU-side wait on it (an event that never completes would block the
+    backend's streams for every later request).
     """
 
     kind: str  # "cpu" | "cuda"

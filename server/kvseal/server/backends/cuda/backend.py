@@ -72,11 +72,12 @@ class CudaBackend:
     ``kvseal_seal`` write ciphertext straight into mapped pinned host memory (no
     staging, no D2H; off in CC mode, where the region is not mapped), a benchmark
     alternative to the default ``"dma"``. ``engine_event_timeout`` bounds how long a
-    request waits for the engine's IPC event (EngineNotReady after it, nothing
-    written). An offload waits before taking the backend lock; a restore waits
-    after queuing its copies and verification, with the lock held, so a stuck
-    engine stream can delay other requests by at most the timeout, and never
-    blocks the GPU streams (no GPU-side wait on an engine event is ever queued).
+    request polls the engine's IPC event on the host (``cuEventQuery``;
+    EngineNotReady after it, nothing written). An offload polls before taking the
+    backend lock; a restore polls after queuing its copies and verification, with
+    the lock held, so a stuck engine stream can delay other requests by at most
+    the timeout, and never blocks the GPU streams (no GPU-side wait on an engine
+    event, ``cuStreamWaitEvent``, is ever queued).
 
     Failure contract: a request that raises after queuing GPU work first waits for
     all of it (both streams), so no stale copy or kernel can read descriptors or
