@@ -317,6 +317,21 @@ def test_gpu_mapped_seal_mode_gives_the_same_bytes() -> None:
         b.close()
 
 
+def test_gpu_periodic_device_check_passes_on_a_healthy_context() -> None:
+    """The daemon's periodic check (``cuCtxSynchronize`` on the real driver) on a
+    healthy idle context: the backend stays usable and its callback never runs.
+    A backend of its own: a failing check would mark it broken for good."""
+    b = CudaBackend(DeviceSealer(), 0)
+    try:
+        reports: list[str] = []
+        b.set_on_broken(reports.append)
+        for _ in range(3):
+            b.check_device()
+        assert b.broken is None and reports == []
+    finally:
+        b.close()
+
+
 # --------------------------------------------------------------------------------------
 # Daemon in its own process; this process is the engine
 # --------------------------------------------------------------------------------------
