@@ -4,6 +4,9 @@
 # generates a tiny random-weight model and runs tests_vllm/ against a real daemon.
 #
 #   make test-vllm    the suite (two short engine runs, about 4 minutes on 2 cores)
+#   make test-vllm-033  vLLM 0.33's own scheduler and connector code against a real
+#                     daemon (no CPU engine of 0.33 exists): the 0.33 wheel installed
+#                     --no-deps into .venv-vllm/vllm033, first on PYTHONPATH
 #   make bench-vllm   scheduler-side lookup cost: kvseal's manager vs vLLM's own
 
 VLLM_PYTHON ?= python3.11
@@ -11,7 +14,10 @@ VLLM_VENV   := .venv-vllm
 VLLM_PY     := $(VLLM_VENV)/bin/python
 VLLM_STAMP  := $(VLLM_VENV)/.installed
 
-.PHONY: venv-vllm test-vllm bench-vllm
+VLLM033_DIR   := $(VLLM_VENV)/vllm033
+VLLM033_STAMP := $(VLLM033_DIR)/.installed
+
+.PHONY: venv-vllm test-vllm test-vllm-033 bench-vllm
 
 venv-vllm: $(VLLM_STAMP)
 
@@ -23,7 +29,16 @@ $(VLLM_STAMP): requirements-vllm.txt client/pyproject.toml server/pyproject.toml
 	touch $@
 
 test-vllm: venv-vllm
-	$(VLLM_PY) -m pytest tests_vllm -o timeout=1200 -p no:cacheprovider $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest tests_vllm --ignore=tests_vllm/v033 -o timeout=1200 -p no:cacheprovider $(PYTEST_ARGS)
+
+# A failed download or install fails the target (CI runs it): never a skip.
+$(VLLM033_STAMP): $(VLLM_STAMP) requirements-vllm033.txt
+	rm -rf $(VLLM033_DIR)
+	$(VLLM_PY) -m pip install --quiet --no-deps --target $(VLLM033_DIR) -r requirements-vllm033.txt
+	touch $@
+
+test-vllm-033: $(VLLM033_STAMP)
+	PYTHONPATH=$(abspath $(VLLM033_DIR)) $(VLLM_PY) -m pytest tests_vllm/v033 -o timeout=600 -p no:cacheprovider $(PYTEST_ARGS)
 
 bench-vllm: venv-vllm
 	$(VLLM_PY) tests_vllm/bench_lookup.py $(ARGS)
