@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvseal.client import ClientConfig, KVSealClient
 from kvseal.server import sealing
 from kvseal.server.backends.cpu.backend import CpuBackend
 from kvseal.server.backends.cuda import emulated as E
@@ -156,6 +157,24 @@ class HealthWatch:
         return self.statuses
 
 
+def _daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dev: EmulatedDevice
+) -> daemon_mod.Daemon:
+    """A started daemon (``Daemon.create``, gRPC, the relay, health) in this process
+    on the CUDA backend over ``dev``, checking the device every 50 ms; its socket is
+    ``tmp_path/run/k.sock``."""
+    monkeypatch.setattr(
+        daemon_mod,
+        "make_backend",
+        lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off"),
+    )
+    args = ["--listen", f"unix://{tmp_path / 'run' / 'k.sock'}", "--backend", "cuda"]
+    args += ["--host-bytes", "1MiB", "--grace", "1", "--device-check-interval", "0.05"]
+    d = daemon_mod.Daemon.create(cli.config_from_args(args))
+    d.start()
+    return d
+
+
 def test_daemon_stops_serving_and_exits_4_when_the_context_is_lost_while_idle(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,28 +190,8 @@ def test_daemon_stops_serving_and_exits_4_when_the_context_is_lost_while_idle(
         real_check()
 
     dev.check_context = counted  # type: ignore[method-assign]
-    monkeypatch.setattr(
-        daemon_mod,
-        "make_backend",
-        lambda cfg, sealer: CudaBackend(sealer, cfg.device, dev=dev, cc="off"),
-    )
+    d = _daemon(tmp_path, monkeypatch, dev)
     sock = tmp_path / "run" / "k.sock"
-    cfg = cli.config_from_args(
-        [
-            "--listen",
-            f"unix://{sock}",
-            "--backend",
-            "cuda",
-            "--host-bytes",
-            "1MiB",
-            "--grace",
-            "1",
-            "--device-check-interval",
-            "0.05",
-        ]
-    )
-    d = daemon_mod.Daemon.create(cfg)
-    d.start()
     try:
         watch = HealthWatch(f"unix://{sock}")
         watch.opened.wait(60)
@@ -204,6 +203,38 @@ def test_daemon_stops_serving_and_exits_4_when_the_context_is_lost_while_idle(
         d.begin_shutdown()  # only if the check failed to (the exit code stays 4 if set)
         code = d.wait()
     assert code == daemon_mod.EXIT_BACKEND == 4
+
+
+def test_a_check_that_cannot_run_is_turned_off_and_the_daemon_keeps_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A check that cannot run at all (here: bindings without the driver call, a
+    defect rather than a lost device) is logged and turned off; the daemon keeps
+    serving (requests still find a lost context themselves)."""
+    dev = EmulatedDevice()
+    calls = [0]
+
+    def no_such_call() -> None:
+        calls[0] += 1
+        raise RuntimeError('Function "cuCtxSynchronize" not found')
+
+    dev.check_context = no_such_call  # type: ignore[method-assign]
+    d = _daemon(tmp_path, monkeypatch, dev)
+    sock = tmp_path / "run" / "k.sock"
+    try:
+        until(lambda: "the periodic device check cannot run" in caplog.text, "the log line")
+        for t in threading.enumerate():
+            if t.name == "kvseal-device-check":
+                t.join(timeout=30)  # this daemon's ends; earlier tests' ended at their stop
+                assert not t.is_alive()
+        assert calls[0] == 1
+        with KVSealClient(ClientConfig(target=f"unix://{sock}", timeout_s=5)) as c:
+            assert c.health() == "SERVING"
+        assert not d.stop_event.is_set()
+    finally:
+        d.begin_shutdown()
+        code = d.wait()
+    assert code == 0
 
 
 _DAEMON = """

@@ -135,8 +135,8 @@ class Backend(Protocol):
         seconds while it serves. A backend whose device can no longer serve (the
         CUDA context was lost while idle) reports it as a failure inside a request
         does (the CUDA backend's ``set_on_broken`` callback: health NOT_SERVING,
-        exit 4). Cheap, never waits for a request in flight, never raises; a no-op
-        where there is no device (CPU)."""
+        exit 4), never by raising. Cheap, never waits for a request in flight; a
+        no-op where there is no device (CPU)."""
         ...
 
     def close(self) -> None: ...

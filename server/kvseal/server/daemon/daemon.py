@@ -264,10 +264,17 @@ class Daemon:
         backend's cheap device check: a CUDA context lost while no request runs is
         reported through the backend's broken callback (``on_broken`` in
         :meth:`create`: health NOT_SERVING, exit EXIT_BACKEND) as a failure inside
-        a request would be. The check never raises and skips while a request holds
-        the backend; the backend ignores it once closed."""
+        a request would be. The check skips while a request holds the backend; the
+        backend ignores it once closed. A check that cannot run at all (an
+        exception other than the device's own errors, which the backend handles:
+        a defect, not a lost device) is logged once and checking stops; requests
+        still find a lost context themselves."""
         while not self.stop_event.wait(self.cfg.device_check_interval):
-            self.cache.backend.check_device()
+            try:
+                self.cache.backend.check_device()
+            except Exception:
+                log.exception("the periodic device check cannot run; it is turned off")
+                return
 
     def begin_shutdown(self, exit_code: int = 0) -> None:
         """Idempotent; callable from any thread (signal handler, RPC thread)."""

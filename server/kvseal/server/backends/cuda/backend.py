@@ -193,7 +193,9 @@ class CudaBackend:
 
         Cheap and never blocking on a request: if one holds the backend lock the
         check is skipped (that request meets a lost context itself), as it is once
-        the backend is closed or already broken. Never raises."""
+        the backend is closed or already broken. Never raises a CudaError (any
+        other exception is a defect of the bindings or of this code: it
+        propagates, and the daemon turns the check off)."""
         if not self._lock.acquire(blocking=False):
             return
         try:
