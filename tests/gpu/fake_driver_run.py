@@ -353,6 +353,10 @@ def run(argv: list[str]) -> None:
     except BadRequest:
         pass
     assert fake.fake_cuda_live() == live, "the refused pool left a mapping open"
+    # The daemon's periodic device check, through the real bindings: a healthy
+    # context passes it (a wrong call would mark the backend broken).
+    be.check_device()
+    assert be.broken is None, f"the device check broke a healthy backend: {be.broken}"
     ipc_pool.close()
     local_pool.close()
     region.close()

@@ -93,6 +93,8 @@ static void need_event(const char* fn, void* e) {
 }
 CUresult cuStreamDestroy(void* s) { need_stream("cuStreamDestroy", s); ((struct Obj*)s)->live = 0; live_objs--; return 0; }
 CUresult cuStreamSynchronize(void* s) { need_ctx("sync"); need_stream("cuStreamSynchronize", s); return 0; }
+// The daemon's periodic device check (CudaBackend.check_device).
+CUresult cuCtxSynchronize(void) { need_ctx("cuCtxSynchronize"); return 0; }
 CUresult cuEventCreate(void** e, unsigned flags) {
     need_ctx("cuEventCreate");
     struct Obj* o = calloc(1, sizeof *o); o->magic = EVENT_MAGIC; o->flags = flags; o->live = 1; live_objs++; *e = o; return 0;
@@ -304,7 +306,7 @@ struct Entry { const char* name; void* fn; };
 static struct Entry table[] = {
     E(cuInit), E(cuDriverGetVersion), E(cuDeviceGetCount), E(cuDeviceGet), E(cuDeviceGetName), E(cuDeviceGetAttribute),
     E(cuDevicePrimaryCtxRetain), E(cuDevicePrimaryCtxRelease), E(cuCtxSetCurrent), E(cuCtxGetCurrent),
-    E(cuStreamCreate), E(cuStreamDestroy), E(cuStreamSynchronize), E(cuEventCreate), E(cuEventDestroy),
+    E(cuStreamCreate), E(cuStreamDestroy), E(cuStreamSynchronize), E(cuCtxSynchronize), E(cuEventCreate), E(cuEventDestroy),
     E(cuEventRecord), E(cuEventSynchronize), E(cuEventQuery), E(cuPointerGetAttribute), E(cuEventElapsedTime), E(cuStreamWaitEvent), E(cuIpcOpenEventHandle),
     E(cuMemAlloc), E(cuMemFree), E(cuMemHostAlloc), E(cuMemFreeHost), E(cuMemHostRegister), E(cuMemHostUnregister),
     E(cuMemHostGetDevicePointer), E(cuMemsetD8Async), E(cuMemcpyHtoDAsync), E(cuMemcpyDtoHAsync),
