@@ -58,9 +58,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        width = max(len(k) for k in doc)
-        for k, v in doc.items():
-            print(f"{k:<{width}}  {v}")
+        # StatsReply's field order (kvseal.proto), whatever the values: MessageToDict
+        # lists the fields that are set first and the zero ones after, so the
+        # order followed the counters from call to call.
+        names = [f.name for f in s.DESCRIPTOR.fields if f.name in doc]
+        width = max(len(k) for k in names)
+        for k in names:
+            print(f"{k:<{width}}  {doc[k]}")
     return EXIT_OK
 
 
@@ -224,7 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("health", help="print the grpc.health.v1 status; exit 0 when SERVING")
     h.add_argument("--service", default="", help="service name to check ('' = the whole daemon)")
     h.set_defaults(fn=cmd_health)
-    s = sub.add_parser("stats", help="print the daemon's counters and configuration")
+    s = sub.add_parser(
+        "stats",
+        help="print the daemon's counters and configuration, one field a line in "
+        "StatsReply's field order (--json: keys sorted)",
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_stats)
     t = sub.add_parser(
