@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host-bytes",
         default=_env("KVSEAL_HOST_BYTES", "4GiB"),
-        help="capacity of the sealed host tier, e.g. 512MiB, 64GiB [KVSEAL_HOST_BYTES]",
+        help="capacity of the sealed host tier, e.g. 512MiB, 64GiB; N blocks need N x block bytes (each rounded up to 256; nonce and tag are kept in private memory) [KVSEAL_HOST_BYTES]",  # noqa: E501
     )
     p.add_argument(
         "--host-region",
