@@ -4,7 +4,8 @@
 
 writes the markdown tables (to stdout, or between the ``<!-- tables -->``
 markers of ``--md``) and the PNG plots (throughput vs rate, TTFT p50/p99 vs
-gap, cached share per arm).
+gap, cached share per arm, and, when the results have salted conversations,
+tier share per tenant count).
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from typing import Any
 NAMES = {"none": "no offload", "plain": "plaintext anchor", "wt": "kvseal write-through",
          "wb": "kvseal write-back"}  # fmt: skip
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+SALTED = "conv-salted"
+# Fields of a salted point where the rounds' worst value is the one to show,
+# not their median: one round in which a tenant starved or saw another
+# tenant's blocks is a failure that a median of three would hide.
+WORST_MAX = ("tenants_starved", "cross_tenant_cached", "integrity_failures")
+WORST_MIN = ("tenant_min_cached",)
 
 
 def _points(res: dict[str, Any], arm: str, wl: str) -> list[dict[str, Any]]:
@@ -36,7 +43,8 @@ def _median_point(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     for k, v in rounds[0].items():
         vals = [r.get(k) for r in rounds]
         if isinstance(v, (int, float)) and not isinstance(v, bool) and None not in vals:
-            out[k] = statistics.median(vals)
+            out[k] = (max(vals) if k in WORST_MAX else min(vals) if k in WORST_MIN
+                      else statistics.median(vals))  # fmt: skip
     out["rounds"] = len(rounds)
     out["req_s_all"] = [r["req_s"] for r in rounds]
     return out
@@ -92,32 +100,85 @@ def tables(res: dict[str, Any]) -> list[str]:
                       ("conv", "conversation replay (gap 0 = saturated; req/s: median of"
                                " the rounds, their range in brackets)"),
                       ("fits", "fits in the engine cache")):  # fmt: skip
-        out += ["", f"**{title}**", ""]
-        out.append(
-            "| arm | point | req/s | out tok/s | TTFT mean / p50 / p99 s | cached: engine / tier"
-            " | restored / offloaded / restore-failed blocks | integrity failures"
-            " | req/s vs no offload | load"
-            " | CPU ms/request: engine / daemon |"
-        )
-        out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        out += ["", f"**{title}**", "", *_workload_table(res, arms, wl)]
+    if any(_points(res, a, SALTED) for a in arms):
+        out += _salted_tables(res, arms)
+    return out
+
+
+def _workload_table(res: dict[str, Any], arms: list[str], wl: str) -> list[str]:
+    """One workload's table, a row per arm and point; salted conversations add
+    their per-tenant columns (run.py's ``tenant_summary``)."""
+    salted = wl == SALTED
+    extra_h = ""
+    if salted:
+        extra_h = (" cached share of returning turns per tenant: min-max | starved tenants"
+                   " | cross-tenant cached tokens (first turns checked) |")  # fmt: skip
+    out = [
+        "| arm | point | req/s | out tok/s | TTFT mean / p50 / p99 s | cached: engine / tier"
+        " | restored / offloaded / restore-failed blocks | integrity failures"
+        " | req/s vs no offload | load"
+        " | CPU ms/request: engine / daemon |" + extra_h,
+        "| --- " * (14 if salted else 11) + "|",
+    ]
+    for a in arms:
+        for p in _points(res, a, wl):
+            base = _match(res, "none", p)
+            ratio = f"{p['req_s'] / base['req_s']:.2f}x" if base and base["req_s"] else "—"
+            lf = p.get("load_failed_blocks")  # absent from runs before run 7
+            rb = (
+                "—"
+                if p["restored_blocks"] is None
+                else f"{p['restored_blocks']} / {p['offloaded_blocks']}"
+                f" / {'—' if lf is None else lf}"
+            )
+            extra = ""
+            if salted:
+                extra = (f" {p['tenant_min_cached']:.0%}-{p['tenant_max_cached']:.0%} |"
+                         f" {p['tenants_starved']} | {p['cross_tenant_cached']}"
+                         f" ({p['first_turns_checked']}) |")  # fmt: skip
+            out.append(
+                f"| {NAMES.get(a, a)} | {p['x_name']} {p['x']} | {_req_s(p)} |"
+                f" {p['out_tok_s']:.1f} | {p['ttft_mean']:.2f} / {p['ttft_p50']:.2f} /"
+                f" {p['ttft_p99']:.2f} | {p['cached_engine']:.0%} / {p['cached_tier']:.0%} |"
+                f" {rb} | {p['integrity_failures']} | {ratio} |"
+                f" {p.get('load_avg', float('nan')):.1f} | {_cpu(p)} |{extra}"
+            )  # fmt: skip
+    return out
+
+
+def _salted_tables(res: dict[str, Any], arms: list[str]) -> list[str]:
+    """The salted conversations' table and the tier share per tenant count:
+    one row per tenant count, one column per arm (tier share, and in brackets
+    all cached tokens, engine's included), then kvseal write-through's tier
+    share over the anchor's (the goal's ratio)."""
+    out = ["", "**conversations under per-tenant cache salts** (one salt for all ..."
+           " one per conversation; req/s: median of the rounds, their range in brackets;"
+           " per-tenant columns: the worst round)", ""]  # fmt: skip
+    out += _workload_table(res, arms, SALTED)
+    out += ["", "**Tier share per tenant count** (share of prompt tokens served from the"
+            " second tier; in brackets engine and tier together)", ""]  # fmt: skip
+    out.append("| tenants | " + " | ".join(NAMES.get(a, a) for a in arms)
+               + " | write-through / anchor, tier share |")  # fmt: skip
+    out.append("| --- " * (len(arms) + 2) + "|")
+    xs = sorted({p["x"] for a in arms for p in _points(res, a, SALTED)})
+    for x in xs:
+        cells = []
+        by_arm: dict[str, dict[str, Any]] = {}
         for a in arms:
-            for p in _points(res, a, wl):
-                base = _match(res, "none", p)
-                ratio = f"{p['req_s'] / base['req_s']:.2f}x" if base and base["req_s"] else "—"
-                lf = p.get("load_failed_blocks")  # absent from runs before run 7
-                rb = (
-                    "—"
-                    if p["restored_blocks"] is None
-                    else f"{p['restored_blocks']} / {p['offloaded_blocks']}"
-                    f" / {'—' if lf is None else lf}"
-                )
-                out.append(
-                    f"| {NAMES.get(a, a)} | {p['x_name']} {p['x']} | {_req_s(p)} |"
-                    f" {p['out_tok_s']:.1f} | {p['ttft_mean']:.2f} / {p['ttft_p50']:.2f} /"
-                    f" {p['ttft_p99']:.2f} | {p['cached_engine']:.0%} / {p['cached_tier']:.0%} |"
-                    f" {rb} | {p['integrity_failures']} | {ratio} |"
-                    f" {p.get('load_avg', float('nan')):.1f} | {_cpu(p)} |"
-                )  # fmt: skip
+            q = next((p for p in _points(res, a, SALTED) if p["x"] == x), None)
+            if q is None:
+                cells.append("—")
+                continue
+            by_arm[a] = q
+            cells.append(f"{q['cached_tier']:.1%} ({q['cached_engine'] + q['cached_tier']:.0%})")
+        wt, pl = by_arm.get("wt"), by_arm.get("plain")
+        r = (
+            f"{wt['cached_tier'] / pl['cached_tier']:.3f}x"
+            if wt and pl and pl["cached_tier"]
+            else "—"
+        )
+        out.append(f"| {x:g} | " + " | ".join(cells) + f" | {r} |")
     return out
 
 
@@ -169,6 +230,49 @@ def goals(res: dict[str, Any]) -> list[str]:
             if b and b["req_s"]:
                 loss = 1 - p["req_s"] / b["req_s"]
                 row(f"{a}: fits-in-cache loss <= 2%", p, f"{loss:+.1%}", loss <= 0.02)
+    # Salted conversations (issue 20): the tier must serve every tenant what the
+    # anchor serves it (tier share >= 0.98x; the anchor's tier is keyed by
+    # vLLM's salted block hashes), at the anchor's throughput and faster than
+    # recomputing; and no arm may serve a tenant's first request from another
+    # tenant's blocks.
+    for p in _points(res, "wt", SALTED):
+        b, pl = _match(res, "none", p), _match(res, "plain", p)
+        if pl is not None:
+            t, ta = p["cached_tier"], pl["cached_tier"]
+            ok = t >= 0.98 * ta
+            shown = f"{t:.1%} vs {ta:.1%}" + (f" ({t / ta:.3f}x)" if ta else "")
+            row("wt: tier share >= 0.98x the plaintext anchor", p, shown, ok)
+            if pl["req_s"]:
+                r = p["req_s"] / pl["req_s"]
+                row("wt: within 10% of the plaintext anchor", p, f"{r:.2f}x", r >= 0.9)
+        if b is not None:
+            row("wt: TTFT p99 below no offload", p,
+                f"{p['ttft_p99']:.2f} s vs {b['ttft_p99']:.2f} s",
+                p["ttft_p99"] < b["ttft_p99"])  # fmt: skip
+
+    # Per arm over every tenant count: the tenants' isolated first requests
+    # (one tenant has none: nobody else to leak from) and the starved tenants.
+    def xs(pts: list[dict[str, Any]]) -> str:
+        return f"{SALTED} tenants " + ", ".join(f"{p['x']:g}" for p in pts)
+
+    def line(goal: str, where: str, measured: str, ok: bool) -> None:
+        out.append(f"| {goal} | {where} | {measured} | {'yes' if ok else 'no'} |")
+
+    for a in res["arms"]:
+        pts = [p for p in _points(res, a, SALTED) if p["first_turns_checked"]]
+        if pts:
+            leaked = sum(p["cross_tenant_cached"] for p in pts)
+            checked = sum(p["first_turns_checked"] for p in pts)
+            line(f"{a}: no first turn served from another tenant's blocks", xs(pts),
+                 f"{leaked} tokens on {checked} first turns", leaked == 0)  # fmt: skip
+    wt = _points(res, "wt", SALTED)
+    if wt:
+        pl = [_match(res, "plain", p) for p in wt]
+        mine = [p["tenants_starved"] for p in wt]
+        theirs = ["—" if q is None else str(q["tenants_starved"]) for q in pl]
+        ok = all(q is not None and m <= q["tenants_starved"] for m, q in zip(mine, pl, strict=True))
+        line("wt: no tenant starved (every returning turn missed) that the anchor served",
+             xs(wt), f"{'/'.join(map(str, mine))} (anchor {'/'.join(theirs)})", ok)  # fmt: skip
     for p in _points(res, "wb", "conv"):
         q = _match(res, "wt", p)
         if q is not None:
@@ -225,6 +329,33 @@ def plots(res: dict[str, Any], prefix: str) -> list[str]:
     files.append(f"{prefix}-ttft.png")
     fig.savefig(files[-1], dpi=110)
     plt.close(fig)
+
+    if any(_points(res, a, SALTED) for a in arms):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for a in arms:
+            pts = _points(res, a, SALTED)
+            xs = [p["x"] for p in pts]
+            # No offload has no tier: only its engine's share is drawn.
+            color = None
+            if a != "none":
+                ln = ax.plot(xs, [p["cached_tier"] for p in pts], marker="o",
+                             label=f"{NAMES.get(a, a)} tier")  # fmt: skip
+                color = ln[0].get_color()
+            ax.plot(xs, [p["cached_engine"] + p["cached_tier"] for p in pts], marker="x",
+                    ls="--", color=color, label=f"{NAMES.get(a, a)} engine + tier")  # fmt: skip
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        ticks = sorted({p["x"] for a in arms for p in _points(res, a, SALTED)})
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.set_xlabel("tenants (cache salts); conversations per point fixed")
+        ax.set_ylabel("share of prompt tokens")
+        ax.set_title("salted conversations: tier share per tenant count")
+        ax.legend(fontsize=7, ncol=2)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        files.append(f"{prefix}-salted.png")
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     labels: list[str] = []

@@ -8,9 +8,12 @@ only), ``plain`` (the plaintext anchor, bench/serving/anchor.py), ``wt``
 real daemon of its own. Workloads: ``llmd`` (prefix groups x prompts, long
 shared prefix, short question and answer, Poisson arrivals, rate sweep),
 ``conv`` (multi-turn conversations replayed with bounded concurrency, whole
-history resent each turn, inter-turn gap sweep plus a saturated point) and
-``fits`` (working set well inside the engine's KV cache). Every point uses
-prompts of its own (seeded), so no point reuses another's blocks.
+history resent each turn, inter-turn gap sweep plus a saturated point),
+``conv-salted`` (conversations under per-tenant ``cache_salt``s, a sweep of
+the number of tenants from one salt shared by all to one per conversation,
+the confidential-serving default) and ``fits`` (working set well inside the
+engine's KV cache). Every point uses prompts (and salts) of its own (seeded),
+so no point reuses another's blocks.
 
 Writes a results JSON (``--out``); ``python -m bench.serving.report`` turns it
 into the tables and plots of docs/serving.md.
@@ -48,6 +51,7 @@ BLOCK_BYTES = BLOCK * KV_BYTES_PER_TOKEN
 HOST_BLOCKS = int(ENGINE_BLOCKS * HOST_FACTOR)
 MAX_LEN = 1536
 ARMS = ("none", "plain", "wt", "wb")
+WORKLOADS = ("llmd", "conv", "conv-salted", "fits")
 PROBE = [3 + (i * 37) % (VOCAB - 3) for i in range(200)]  # the fixed greedy probe
 
 
@@ -76,18 +80,29 @@ class Result:
     out_tokens: int
     text: str
     start: float
+    # Salted conversations only: the request's tenant (salt index; -1 when no
+    # salt was sent), its turn in the conversation, and whether it was its
+    # tenant's first request with no other request of that tenant sent while
+    # it ran (so any cached token it reports came from another tenant).
+    tenant: int = -1
+    turn: int = -1
+    isolated_first: bool = False
 
 
 class Client:
     def __init__(self, port: int, model: str) -> None:
         self.port, self.model = port, model
 
-    def complete(self, prompt: str, max_tokens: int, stream: bool = True) -> Result:
-        body = json.dumps({
+    def complete(self, prompt: str, max_tokens: int, stream: bool = True,
+                 salt: str | None = None) -> Result:  # fmt: skip
+        req: dict[str, Any] = {
             "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": stream,
             "stream_options": {"include_usage": True} if stream else None,
-        })  # fmt: skip
+        }  # fmt: skip
+        if salt is not None:  # vLLM's per-request prefix-cache isolation (CVE-2025-46570)
+            req["cache_salt"] = salt
+        body = json.dumps(req)
         t0 = time.monotonic()
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         ttft = -1.0
@@ -208,16 +223,31 @@ def run_poisson(cl: Client, prompts: list[str], n: int, rate: float, out_tokens:
 
 
 def run_conversations(cl: Client, seed: int, convs: int, turns: int, sys_tokens: int,
-                      user_tokens: int, out_tokens: int, gap: float,
-                      concurrency: int) -> tuple[list[Result], float]:  # fmt: skip
+                      user_tokens: int, out_tokens: int, gap: float, concurrency: int,
+                      shared_tokens: int = 0,
+                      tenants: int = 0) -> tuple[list[Result], float]:  # fmt: skip
     """All ``convs`` conversations are open at once; ``concurrency`` workers
     each take the conversation whose next turn is due first (a turn is due
     ``gap`` seconds after the previous answer), send its whole history (its
     own answers included, as text) and put it back. With gap 0 the workers
-    cycle through every conversation: the saturated point."""
+    cycle through every conversation: the saturated point.
+
+    ``shared_tokens``: every conversation starts with the same prompt of
+    that many tokens (a deployment's system prompt) before its own
+    ``sys_tokens``. ``tenants`` > 0: conversation i sends the ``cache_salt``
+    of tenant ``i % tenants`` (random 256-bit hex strings, as a CC
+    deployment would issue), so with one tenant every conversation shares
+    the shared prompt's blocks and with one per conversation none does."""
     rng = random.Random(seed)
-    state = [[text(words(rng, sys_tokens)), [words(rng, user_tokens) for _ in range(turns)], 0.0]
+    # Drawn only when asked for, so the unsalted ``conv`` prompts stay what
+    # they were in earlier runs.
+    shared = words(rng, shared_tokens) if shared_tokens else []
+    state = [[text(shared + words(rng, sys_tokens)),
+              [words(rng, user_tokens) for _ in range(turns)], 0.0]
              for _ in range(convs)]  # fmt: skip
+    srng = random.Random(seed + 7919)
+    salts = [f"{srng.getrandbits(256):064x}" for _ in range(tenants)]
+    sent = [0] * tenants  # requests sent so far, per tenant
     ready: list[tuple[float, int]] = [(0.0, i) for i in range(convs)]
     results: list[Result] = []
     cv = threading.Condition()
@@ -238,17 +268,27 @@ def run_conversations(cl: Client, seed: int, convs: int, turns: int, sys_tokens:
                         if wait <= 0:
                             ready.pop(0)
                             busy[0] += 1
+                            tenant = i % tenants if tenants else -1
+                            before = sent[tenant] if tenants else -1
+                            if tenants:
+                                sent[tenant] += 1
                             break
                         cv.wait(min(wait, 0.5))
                     else:
                         cv.wait(0.5)
             hist, users, _ = state[i]
+            turn_no = turns - len(users)
             turn = users.pop(0)
             hist = hist + " " + text(turn)
-            r = cl.complete(hist, out_tokens)
+            r = cl.complete(hist, out_tokens, salt=salts[tenant] if tenants else None)
             if r.ok:
                 hist = hist + " " + r.text.strip()
             with cv:
+                r.tenant, r.turn = tenant, turn_no
+                # Its tenant's first request, and no other of that tenant was sent
+                # while it ran: nothing of this salt was cached before it, so a
+                # cached token here is another tenant's block.
+                r.isolated_first = tenants > 0 and before == 0 and sent[tenant] == 1
                 results.append(r)
                 state[i][0] = hist
                 busy[0] -= 1
@@ -421,17 +461,60 @@ def summarize(results: list[Result], wall: float, m0: dict[str, float], m1: dict
         # vLLM creates the labelled series at the first failure: none yet is 0.
         "load_failed_blocks": None if sd.get("restored_blocks") is None
         else int(d.get("kvseal_load_failed_blocks", 0)),
+        **tenant_summary(ok),
     }  # fmt: skip
+
+
+def tenant_summary(ok: list[Result]) -> dict[str, Any]:
+    """Per-tenant figures of a salted point (empty for unsalted ones).
+
+    vLLM's usage reports a request's cached tokens (engine and tier together)
+    but not which tier served them, so per tenant this is the cached share of
+    its returning turns (turn >= 1): the issue's failure, a whole tenant
+    whose returning turns all miss while the others hit, shows as a tenant at
+    0 (``tenants_starved``) next to arms where it is not.
+    ``cross_tenant_cached``: cached tokens reported by tenants' isolated first
+    requests (``Result.isolated_first``), which must be 0 in every arm: a
+    salt not honoured by a tier shows here as the shared prompt's tokens.
+    """
+    salted = [r for r in ok if r.tenant >= 0]
+    if not salted:
+        return {}
+    prompt: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    for r in salted:
+        if r.turn >= 1:
+            prompt[r.tenant] = prompt.get(r.tenant, 0) + r.prompt_tokens
+            cached[r.tenant] = cached.get(r.tenant, 0) + r.cached_tokens
+    shares = [cached[t] / prompt[t] for t in prompt if prompt[t]]
+    firsts = [r for r in salted if r.isolated_first]
+    return {
+        "tenants": len({r.tenant for r in salted}),
+        "tenant_min_cached": min(shares) if shares else 0.0,
+        "tenant_max_cached": max(shares) if shares else 0.0,
+        "tenants_starved": sum(1 for t in prompt if prompt[t] and not cached[t]),
+        "first_turns_checked": len(firsts),
+        "cross_tenant_cached": sum(r.cached_tokens for r in firsts),
+    }
 
 
 def plan(quick: bool) -> dict[str, Any]:
     """Workload shapes (tokens), scaled to this machine keeping the seed's ratios:
-    llm-d working set (groups x prefix) 2.25x the engine KV, fits 0.4x."""
+    llm-d working set (groups x prefix) 2.25x the engine KV, fits 0.4x.
+
+    ``conv-salted``: the conversation shape with its 512-token system prompt
+    split into a 256-token prompt shared by every conversation and 256 tokens
+    of the conversation's own, so the number of tenants decides how much is
+    shared: final working set 8 + 12 x 18 = 224 blocks (1.75x the engine KV)
+    with one salt for all, 312 (2.4x, conv's) with one per conversation."""
     p: dict[str, Any] = {
         "llmd": {"groups": 12, "per_group": 5, "prefix": 768, "question": 32, "out": 8,
                  "passes": 2, "rates": [2.0, 4.0, 8.0]},
         "conv": {"convs": 12, "turns": 4, "sys": 512, "user": 64, "out": 16,
                  "gaps": [0.0, 2.0, 6.0], "concurrency": 4, "rounds": 3},
+        "conv-salted": {"convs": 12, "turns": 4, "shared": 256, "sys": 256, "user": 64,
+                        "out": 16, "gap": 2.0, "tenants": [1, 4, 12], "concurrency": 4,
+                        "rounds": 3},
         "fits": {"groups": 2, "per_group": 10, "prefix": 768, "question": 32, "out": 8,
                  "passes": 4, "rate": 32.0},
     }  # fmt: skip
@@ -439,6 +522,13 @@ def plan(quick: bool) -> dict[str, Any]:
         p["llmd"].update(rates=[4.0], groups=6, per_group=2, passes=1)
         p["conv"].update(convs=4, turns=3, gaps=[1.0], concurrency=2, rounds=1)
         p["fits"].update(per_group=3, passes=1)
+        # One salted point, one salt per conversation (the CC default); with
+        # 512 tokens of their own the six conversations' first turns alone
+        # (6 x 26 blocks) outgrow the engine's 128, so returning turns come
+        # from the tier even in this short point.
+        p["conv-salted"].update(
+            convs=6, turns=3, sys=512, gap=1.0, tenants=[6], concurrency=2, rounds=1
+        )
     return p
 
 
@@ -474,12 +564,17 @@ def _point_log(name: str, pt: dict[str, Any]) -> None:
         f" {pt['load_failed_blocks']}, integrity failures"
         f" {pt['integrity_failures']}, failed {pt['failed']}, load {pt['load_avg']:.1f},"
         f" CPU s engine {pt['engine_cpu_s']} daemon {pt['daemon_cpu_s']}")  # fmt: skip
+    if "tenants" in pt:
+        log(f"[{name}] {pt['workload']} {pt['tenants']} tenants: cached share of returning"
+            f" turns per tenant {pt['tenant_min_cached']:.0%}-{pt['tenant_max_cached']:.0%},"
+            f" starved tenants {pt['tenants_starved']}, cross-tenant cached tokens"
+            f" {pt['cross_tenant_cached']} on {pt['first_turns_checked']} first turns")  # fmt: skip
 
 
 def workload_points(pl: dict[str, Any]) -> list[tuple[str, str, float, Any]]:
     """Every point of the plan as (workload, x name, x, run(client)): each point
     has prompts of its own, the same for every arm."""
-    wls = pl.get("workloads", ["llmd", "conv", "fits"])
+    wls = pl.get("workloads", list(WORKLOADS))
     pts: list[tuple[str, str, float, Any]] = []
     L = pl["llmd"]
     for i, rate in enumerate(L["rates"] if "llmd" in wls else []):
@@ -497,6 +592,15 @@ def workload_points(pl: dict[str, Any]) -> list[tuple[str, str, float, Any]]:
             pts.append(("conv", "gap", gap, lambda cl, g=gap, seed=2000 + i + 100 * r:
                         run_conversations(cl, seed, C["convs"], C["turns"], C["sys"],
                                           C["user"], C["out"], g, C["concurrency"])))  # fmt: skip
+    S = pl["conv-salted"]
+    # Rounds as for ``conv``; within a round the tenant counts share nothing
+    # (each point has prompts and salts of its own).
+    for r in range(S.get("rounds", 1) if "conv-salted" in wls else 0):
+        for i, n in enumerate(S["tenants"]):
+            pts.append(("conv-salted", "tenants", n, lambda cl, n=n, seed=4000 + i + 100 * r:
+                        run_conversations(cl, seed, S["convs"], S["turns"], S["sys"], S["user"],
+                                          S["out"], S["gap"], S["concurrency"],
+                                          shared_tokens=S["shared"], tenants=n)))  # fmt: skip
     F = pl["fits"]
     if "fits" in wls:
         prompts = llmd_requests(3000, F["groups"], F["per_group"], F["prefix"],
@@ -565,7 +669,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one short point per workload")
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--workloads", default="llmd,conv,fits", help="a subset of llmd,conv,fits")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"a subset of {','.join(WORKLOADS)}")  # fmt: skip
     ap.add_argument("--rates", default=None, help="llm-d request rates, e.g. 16,32")
     ap.add_argument("--work", default=str(ROOT / "build" / "bench-serving"))
     ap.add_argument("--out", default=None, help="results JSON (default: WORK/results.json)")
