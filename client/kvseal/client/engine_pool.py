@@ -375,7 +375,7 @@ class EnginePool:
         state = failure_state(err)
         if state != self._call_state:  # once per state, not per call
             self._call_state = state
-            log.warning("kvseal call degraded: %s", err)
+            log.warning("kvseal call degraded on pool %s: %s", self.name, err)
 
     def _ok(self) -> None:
         self._call_backoff.reset()

@@ -15,13 +15,33 @@ head, dim", so pools of different engines with the same model share blocks):
   (vLLM's contiguous cross-layer blocks).
 - ``sglang_per_layer``: a K and a V tensor per layer,
   ``[pages * tokens, heads, dim]`` (SGLang MHA token pool).
+
+**Owner-locked objects** (:func:`create_owner_locked`, used for vLLM's KV
+cache by :mod:`kvseal.vllm.shm_kv`). The creator of such an object holds a
+shared ``flock`` on an fd of it for as long as it lives; the kernel releases
+that lock however the process ends, SIGKILL included, so the lock tells a
+live engine's pool from a leftover without pids (which other pid namespaces
+do not share). The name belongs to the creator, who unlinks it on a normal
+exit; when the creator died without doing so, whoever finds the lock free
+unlinks it: the daemon, when it drops the registration of an owner-locked
+object (the CPU backend's ``CpuMappedPool.close``), and any engine starting on
+the same ``/dev/shm`` (:func:`sweep_orphans`). The name stays linked while its
+creator lives (a restarted daemon opens the pool by name again). Limits: a
+child forked (not exec'd) after the lock was taken shares it and keeps the
+name alive until it exits; a daemon of another uid may not unlink names in
+the sticky ``/dev/shm`` (the next sweep by the engines' uid does); an object
+of a kvseal older than the lock looks orphaned to a sweep.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
+import re
 import secrets
+import stat
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -72,6 +92,131 @@ class KVShape:
     @property
     def block_bytes(self) -> int:
         return 2 * self.num_layers * self.page_bytes_per_layer_kv
+
+
+def owner_alive(fd: int) -> bool:
+    """Whether a process still holds the owner lock of the object open as
+    ``fd`` (an fd of one's own, not the owner's: ``flock`` locks belong to open
+    file descriptions, so the test works in the owner's process too). Takes
+    and drops an exclusive lock without waiting; an object nobody locked reads
+    as not alive."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+@dataclass
+class OwnedShm:
+    """A shared-memory object this process created and owner-locks (see the
+    module doc). ``fd`` carries the lock: keep it open while the object may be
+    registered (closing it, or exiting, releases the lock)."""
+
+    name: str
+    size: int
+    fd: int
+    map: mmap.mmap
+
+    @property
+    def path(self) -> str:
+        return os.path.join(SHM_DIR, self.name)
+
+    def unlink(self) -> None:
+        """Remove the name (idempotent). The memory stays mapped and the lock
+        held; a daemon that opened the object keeps its fd."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def create_owner_locked(name: str, size: int) -> OwnedShm:
+    """Create ``/dev/shm/<name>`` (mode 0600, ``size`` zero bytes, mapped
+    ``MAP_SHARED``) and take its owner lock. FileExistsError if the name
+    exists; an OSError leaves no name behind.
+
+    A sweep may find the object between its creation and its lock, see the
+    lock free and unlink it (holding an exclusive lock meanwhile, which the
+    shared one here waits for); so the name is checked once the lock is held
+    and, if it no longer names this object, the object is dropped and made
+    again under the same name."""
+    path = os.path.join(SHM_DIR, name)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a sweep holding it
+            st = os.fstat(fd)
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                os.close(fd)  # swept before it was locked: make another
+                continue
+            os.ftruncate(fd, size)  # reads back as zeros
+            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        return OwnedShm(name, size, fd, m)
+
+
+def sweep_orphans(prefix: str) -> list[str]:
+    """Unlink the ``/dev/shm/<prefix>-*`` objects of this process's uid whose
+    owner lock is free (their creator died without unlinking them, e.g.
+    SIGKILLed while no daemon held its pool). Returns the names removed. Never
+    raises for one object (it may vanish or be locked meanwhile); objects of
+    other uids are left alone."""
+    pattern = re.compile(re.escape(prefix) + r"-[A-Za-z0-9._-]+")
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    uid = os.geteuid()
+    for name in names:
+        if not pattern.fullmatch(name):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid and unlink_if_orphaned(fd, path):
+                removed.append(name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def unlink_if_orphaned(fd: int, path: str) -> bool:
+    """Unlink ``path`` if it still names the object open as ``fd`` and nobody
+    holds that object's owner lock. The exclusive lock taken for the test is
+    held until the name is gone, so a creator locking the object meanwhile
+    waits and then sees its name gone (see :func:`create_owner_locked`).
+    True if the name was removed; OSError from the unlink is the caller's."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    try:
+        st = os.fstat(fd)
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 class _ShmBuffer:

@@ -187,6 +187,11 @@ class KVPool:
         self.block_bytes = sum(s.bytes for s in self.geometry.segments)
         self.device: Any = views[0].device if self.backend == pb.BACKEND_CUDA else None
         self._views = views  # the daemon maps this memory: keep the tensors alive
+        # CPU: the shared-memory object the daemon opens by name (its owner: shm_kv).
+        self._shm: shm_kv.ShmAllocation | None = None
+        if self.backend == pb.BACKEND_CPU:
+            shm_name = self.geometry.buffers[0].shm_name
+            self._shm = next((a for a in shm_kv.allocations() if a.shm_name == shm_name), None)
         self.pool = EnginePool(client, name, fingerprint, self.geometry, backend=self.backend)
 
     @property
@@ -231,6 +236,15 @@ class KVPool:
         )
 
     def close(self) -> None:
+        """Release the pool for good (the worker's shutdown). CPU: the KV
+        object's name is unlinked first, then the pool unregistered: nothing
+        registers it again, and vLLM may kill the worker right after this (on
+        SIGTERM it does), before any exit handler; unlinking before the daemon
+        lets go leaves no moment in which a kill strands the name (the daemon
+        keeps its fd until it unregisters, and the memory lives as long as
+        vLLM's tensor)."""
+        if self._shm is not None:
+            self._shm.unlink()
         self.pool.close()
 
 

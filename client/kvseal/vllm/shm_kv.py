@@ -10,48 +10,78 @@ int8 CPU ``torch.zeros`` is served from a fresh object ``/dev/shm/<name>``
 (mode 0600, owned by the engine's uid, as the daemon requires) mapped
 ``MAP_SHARED``. Everything else allocates as usual.
 
-Ownership: the object belongs to this process. Its name stays linked while
-the process lives (a restarted daemon must be able to open it again when the
-pool is registered anew) and is unlinked at interpreter exit; a process
-killed with SIGKILL leaves it behind (``/dev/shm/kvseal-vllm-<pid>-*``), as
-any shared-memory segment would. The mapping lives as long as the tensor.
+Ownership of the name ``/dev/shm/kvseal-vllm-<pid>-<random>``: it is this
+process's, *owner-locked* (:func:`kvseal.client.shm.create_owner_locked`: a
+shared ``flock`` held on an fd for the life of the process, released by the
+kernel however the process ends). It stays linked while the process lives,
+because a restarted daemon opens the pool by name when the worker registers
+it again; it is unlinked
+
+- by the worker when it shuts its pool down (:meth:`kvseal.vllm.kv_pool.KVPool.close`,
+  before it unregisters: vLLM 0.32 SIGKILLs its worker right after the
+  shutdown when ``vllm serve`` gets SIGTERM, before any exit handler), and at
+  interpreter exit;
+- by the daemon, when it drops the registration of a pool whose owner lock is
+  free: the worker was killed before its shutdown (SIGKILL of the engine), its
+  ``HoldPool`` stream ended and the daemon unregistered the pool;
+- otherwise (killed while no daemon held its pool: daemon down, not yet
+  registered, or a daemon of another uid, which may not unlink it) by the next
+  engine that allocates its KV cache here on the same ``/dev/shm``
+  (:func:`kvseal.client.shm.sweep_orphans` of ``kvseal-vllm-*`` objects of its
+  uid whose lock is free).
+
+The memory itself is freed by the kernel once the last mapping and fd are gone
+(the worker's tensor, the daemon's fds of a registered pool). The mapping
+lives as long as the tensor.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import logging
 import mmap
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvseal.client.shm import SHM_DIR
+from kvseal.client.shm import OwnedShm, create_owner_locked, sweep_orphans
+from kvseal.vllm import logs
 
 # Only an allocation at least this large is the KV cache (vLLM's other CPU
 # buffers inside the context, if any, are small).
 MIN_KV_BYTES = 1 << 12
 
 
+log = logging.getLogger("kvseal.vllm")
+# The connector imports this module in every vLLM process (API server, engine
+# core, worker): kvseal's log lines there get vLLM's format (kvseal.vllm.logs).
+if "vllm.logger" in sys.modules:
+    logs.use_vllm_handlers()
+
+
 @dataclass
 class ShmAllocation:
     """One KV-cache buffer in shared memory: ``base`` is its address in this
-    process, ``size`` its bytes, ``shm_name`` the name the daemon opens."""
+    process, ``size`` its bytes, ``shm_name`` the name the daemon opens;
+    ``owned`` holds the object's owner lock (see the module doc)."""
 
     shm_name: str
     size: int
     base: int
     map: mmap.mmap
+    owned: OwnedShm
 
     def contains(self, ptr: int, nbytes: int) -> bool:
         return self.base <= ptr and ptr + nbytes <= self.base + self.size
 
     def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, self.shm_name))
+        self.owned.unlink()
 
 
 _lock = threading.Lock()
@@ -82,22 +112,21 @@ def _unlink_all() -> None:
 atexit.register(_unlink_all)
 
 
+@functools.cache  # once per process and prefix
+def _sweep(prefix: str) -> None:
+    """Remove what engines killed before left behind (module doc)."""
+    gone = sweep_orphans(prefix)
+    if gone:
+        log.info("kvseal: removed %d shared-memory KV object(s) of dead engines", len(gone))
+
+
 def _new_shm_tensor(size: int, prefix: str) -> Any:
     import torch  # noqa: PLC0415 - only the worker process gets here
 
-    name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.ftruncate(fd, size)  # reads back as zeros: torch.zeros' contract holds
-        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    os.close(fd)
-    t = torch.frombuffer(m, dtype=torch.int8)  # keeps ``m`` alive as long as ``t``
-    alloc = ShmAllocation(name, size, t.data_ptr(), m)
+    _sweep(prefix)
+    owned = create_owner_locked(f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}", size)
+    t = torch.frombuffer(owned.map, dtype=torch.int8)  # keeps the map alive as long as ``t``
+    alloc = ShmAllocation(owned.name, size, t.data_ptr(), owned.map, owned)
     with _lock:
         _allocations.append(alloc)
     return t

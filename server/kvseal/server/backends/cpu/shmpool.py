@@ -3,21 +3,38 @@ objects held open by fd and read and written with ``preadv``/``pwritev``,
 never mapped, so nothing the engine does to its objects (shrinking one in
 the middle of a copy included) can raise a signal in the daemon.
 
+Names of engines that are gone: an object whose creator holds a shared
+``flock`` on it when the daemon opens it is *owner-locked* (the engine side:
+``kvseal.client.shm.create_owner_locked``, vLLM's KV cache). The kernel
+drops that lock however the engine ends, so when the daemon closes such a
+pool (unregistered, replaced, the engine's hold gone, the daemon stopping)
+and finds the lock free, the engine is dead and will never unlink its name:
+the daemon unlinks it (if it still names the object the daemon opened, and
+if the daemon's uid may: ``/dev/shm`` is sticky). A lock still held at the
+close is looked at again in the background for 2 s: a dying engine's
+connection can close a moment before the kernel drops its lock. A live engine's name is
+never touched (it needs it to register again after a daemon restart), nor a
+name that was not owner-locked.
+
 Used by the CPU backend (:mod:`kvseal.server.backends.cpu.backend`), which owns the
 private memory the bytes go to and come from.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from kvseal.server.errors import HandleUnusable
 from kvseal.server.pools import BufferMemory, PoolSpec, check_disjoint
 
 SHM_DIR = "/dev/shm"  # noqa: S108 - POSIX shm objects live here on Linux
+log = logging.getLogger("kvseal.cpu")
 _IOV_MAX = 1024  # Linux UIO_MAXIOV: buffers per preadv/pwritev
 # One read of a chunk: (fd, file offset of page 0, page stride, offset in the
 # chunk, bytes, object name); a chunk: (start in the block, bytes, its reads).
@@ -61,6 +78,7 @@ class CpuMappedPool:
         self._forbidden = forbidden
         self._fds: dict[str, int] = {}
         self._sizes: dict[str, int] = {}  # each object's size when it was opened
+        self._owner_locked: set[str] = set()  # names whose engine holds a flock (module doc)
         # Per page, the reads/writes of one block: (fd, file offset of page 0,
         # stride, offset in the block, bytes, object name); consecutive
         # segments that are adjacent in one object are merged into one run.
@@ -126,6 +144,8 @@ class CpuMappedPool:
             raise
         self._fds[name] = fd
         self._sizes[name] = st.st_size
+        if _locked_by_other(fd):
+            self._owner_locked.add(name)
 
     def check(self) -> None:
         """Raise HandleUnusable if an object shrank since it was opened (an
@@ -257,11 +277,86 @@ class CpuMappedPool:
             ) from e
 
     def close(self) -> None:
+        """Close the objects; unlink the name of each owner-locked object whose
+        engine is gone (module doc). Never raises for an unlink."""
         self._runs = []
         self._bound.clear()
-        for fd in self._fds.values():
+        for name, fd in self._fds.items():
+            if name in self._owner_locked and not _unlink_if_orphaned(fd, name):
+                _recheck_later(fd, name)
             os.close(fd)
         self._fds.clear()
+
+
+def _locked_by_other(fd: int) -> bool:
+    """Whether another open file description holds a flock on the object."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+# A dying engine's socket may close (its hold ends, the daemon drops the pool)
+# a moment before the kernel closes the fd that holds its owner lock: a pool
+# closed while its lock is held is looked at again for this long.
+_RECHECK_S = 2.0
+
+
+def _recheck_later(fd: int, name: str) -> None:
+    """Look at the object again (a duplicate of ``fd``) for up to _RECHECK_S in
+    a background thread, and unlink its name if its lock comes free meanwhile;
+    a live engine's lock stays held and the thread ends with nothing done."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return
+
+    def run() -> None:
+        try:
+            deadline = time.monotonic() + _RECHECK_S
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+                if _unlink_if_orphaned(dup, name):
+                    return
+        finally:
+            os.close(dup)
+
+    threading.Thread(target=run, name="kvseal-shm-recheck", daemon=True).start()
+
+
+def _unlink_if_orphaned(fd: int, name: str) -> bool:
+    """Unlink ``/dev/shm/<name>`` if nobody holds the object's lock and the name
+    still names the object open as ``fd``. The exclusive lock is held until the
+    name is gone, as the engines' own sweep does. False only while the lock is
+    held (the engine lives); True when there is nothing more to do."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # its engine lives and keeps the name
+        return False
+    except OSError:
+        return True
+    path = os.path.join(SHM_DIR, name)
+    try:
+        st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(path)
+            log.info("unlinked shared memory %r: the engine that created it is gone", name)
+    except FileNotFoundError:
+        pass  # unlinked already (the engine at exit, or a sweep)
+    except OSError as e:
+        log.warning(
+            "cannot unlink shared memory %r of an engine that is gone (%s); the next "
+            "engine of its uid removes it",
+            name,
+            e.strerror,
+        )
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
 
 
 class _ShortRead(Exception):
