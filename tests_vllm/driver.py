@@ -17,8 +17,17 @@ conversation so far, including the model's own previous answers):
   the same prompts under salt B (must not hit), then under A again (must hit);
 - ``tamper``: like main; after turn 2 the host region is tampered with (daemon
   run with ``--on-integrity-failure drop``);
+- ``tenants``: per-user salts, as confidential serving sets them (issue 20):
+  ``TENANTS`` tenants send the *same* conversation (identical token streams)
+  under salts of their own; they arrive in waves (``TENANT_WAVE`` new ones per
+  round, so later tenants start after earlier ones have stored), each runs
+  ``TENANT_TURNS`` turns, and every round ends with a flood that evicts
+  everything from the engine's KV cache, so a returning turn can only be served
+  by the host tier;
 - ``kill``: like main; after turn 2 the daemon is SIGKILLed, turn 3 runs
   without it, then it is restarted and turns 4-6 run.
+
+``--phases`` runs only some phases (for repeated runs of one phase by hand).
 """
 
 from __future__ import annotations
@@ -40,6 +49,10 @@ MAX_LEN = 1024
 OUT_TOKENS = 16
 SYS_TOKENS = 96
 USER_TOKENS = 64
+TENANTS = 9
+TENANT_WAVE = 3  # new tenants per round
+TENANT_TURNS = 4
+FLOOD_TOKENS = 800  # two of these exceed the engine's KV cache (KV_BLOCKS)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -165,7 +178,9 @@ def main() -> None:
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--zmq-port", type=int, default=0)
+    ap.add_argument("--phases", default="main,salt,tenants,tamper,kill")
     args = ap.parse_args()
+    phases = set(args.phases.split(","))
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests_vllm.daemon import Daemon
 
@@ -219,9 +234,55 @@ def main() -> None:
         return ph
 
     # -- main
-    rounds("main", [Conversation(100 + i) for i in range(8)], 5)
+    if "main" in phases:
+        rounds("main", [Conversation(100 + i) for i in range(8)], 5)
+    if "salt" in phases:
+        salt_phase(eng, stats, settle, res)
+    if "tenants" in phases:
+        tenants_phase(eng, stats, settle, res)
+    if "tamper" in phases:
+        tamper_phase(daemon, rounds)
+    if "kill" in phases:
+        kill_phase(daemon, stats, rounds, res)
 
-    # -- salt
+    if sub is not None:
+        res["events"] = sub.close()
+    res["total_s"] = round(time.monotonic() - t0, 1)
+    Path(args.out).write_text(json.dumps(res))
+    # Stop vLLM's engine-core and worker processes now: os._exit below skips the
+    # interpreter's own shutdown, which would otherwise leave them running.
+    eng.llm.llm_engine.engine_core.shutdown()
+    if daemon is not None:
+        daemon.stop()
+    os._exit(0)  # vLLM's atexit hooks can linger on 2 busy cores; the result is written
+
+
+def tenants_phase(eng: Engine, stats: Any, settle: Any, res: dict[str, Any]) -> None:
+    """See the module doc. Per tenant: each turn's cached tokens, prompt length
+    and output, and the round it ran in."""
+    rng = random.Random(11)
+    convs = [Conversation(500) for _ in range(TENANTS)]  # one seed: identical streams
+    ph: dict[str, Any] = {"tenants": [[] for _ in range(TENANTS)], "floods": []}
+    s0 = stats()
+    rnd = 0
+    while any(len(t) < TENANT_TURNS for t in ph["tenants"]):
+        active = min(TENANTS, TENANT_WAVE * (rnd + 1))
+        for i in range(active):
+            if len(ph["tenants"][i]) >= TENANT_TURNS:
+                continue
+            r = eng.run(convs[i].next_prompt(), f"user-{i}")
+            convs[i].answered(r["out"])
+            r["round"] = rnd
+            ph["tenants"][i].append(r)
+        # Evict everything from the engine: the next turns can only hit the tier.
+        ph["floods"].append([eng.run(_tokens(rng, FLOOD_TOKENS))["cached"] for _ in range(2)])
+        rnd += 1
+    settle()
+    ph["stats"] = _delta(s0, stats()) if s0 else {}
+    res["phases"]["tenants"] = ph
+
+
+def salt_phase(eng: Engine, stats: Any, settle: Any, res: dict[str, Any]) -> None:
     rng = random.Random(7)
     salted = [_tokens(rng, 256) for _ in range(3)]
     ph: dict[str, Any] = {}
@@ -242,14 +303,16 @@ def main() -> None:
         ph["stats_a2"] = _delta(s2, s3)
     res["phases"]["salt"] = ph
 
-    # -- tamper
+
+def tamper_phase(daemon: Any, rounds: Any) -> None:
     def tamper_hook(t: int, ph: dict[str, Any]) -> None:
         if t == 2 and daemon is not None:
             ph["flipped"] = daemon.tamper()
 
     rounds("tamper", [Conversation(200 + i) for i in range(8)], 4, tamper_hook)
 
-    # -- kill
+
+def kill_phase(daemon: Any, stats: Any, rounds: Any, res: dict[str, Any]) -> None:
     def kill_hook(t: int, ph: dict[str, Any]) -> None:
         if daemon is None:
             return
@@ -273,17 +336,6 @@ def main() -> None:
     if daemon is not None:
         res["phases"]["kill"]["after"] = stats()
         res["daemon_starts"] = daemon.starts
-
-    if sub is not None:
-        res["events"] = sub.close()
-    res["total_s"] = round(time.monotonic() - t0, 1)
-    Path(args.out).write_text(json.dumps(res))
-    # Stop vLLM's engine-core and worker processes now: os._exit below skips the
-    # interpreter's own shutdown, which would otherwise leave them running.
-    eng.llm.llm_engine.engine_core.shutdown()
-    if daemon is not None:
-        daemon.stop()
-    os._exit(0)  # vLLM's atexit hooks can linger on 2 busy cores; the result is written
 
 
 if __name__ == "__main__":

@@ -379,16 +379,14 @@ def test_blocks_offered_again_stay_recent_in_the_daemon(tmp_path: Path) -> None:
         assert m.contains(tenant, h[oldest]), "the block in use was evicted"
 
 
-def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path) -> None:
+def test_a_block_being_stored_is_a_pending_hit_then_a_verified_hit(tmp_path: Path) -> None:
     """While a block's store is in flight, ``lookup`` says HIT_PENDING (vLLM
     defers the request a step instead of recomputing the block, as with its
-    own CPU manager); once the daemon announces it, HIT. A store that ended
-    without the daemon keeping the block is a miss after a short grace, and
-    a failed one at once: a pending hit never holds a request for long."""
+    own CPU manager); once the daemon announces it, HIT. A job reported done is
+    a hit at once, and the mirror's background Lookup drops a block the daemon
+    does not hold (the worker reports a dropped store as done: vLLM 0.32 takes
+    no failed job); a failed job is a miss at once."""
     with _one_rank(tmp_path) as (_, mgr, rank):
-        # A grace far above the few statements between complete_store and the
-        # lookup below, so a slow CI machine cannot turn the pending hit into a miss.
-        mgr.announce_grace_s = 3.0
         note_request_salt("r-pending", "alice")  # a tenant of its own, not the shared one
         ctx = ReqContext(req_id="r-pending")
         mgr.on_new_request(ctx)
@@ -407,16 +405,19 @@ def test_a_block_being_stored_is_a_pending_hit_for_a_bounded_time(tmp_path: Path
         rank.run(True, tenant, st.hashes[:1], [1])
         assert wait_for(lambda: mgr.lookup(k[0], ctx) is LookupResult.HIT)
         # The job ends, but the daemon never got the second block (the worker
-        # dropped it): a pending hit for the grace only, then a miss. vLLM may
-        # report the job after the request finished (its tenant forgotten).
+        # dropped it): claimed, then dropped once the mirror's Lookup answered.
+        # vLLM may report the job after the request finished (its tenant forgotten).
+        m = mgr.mirrors[0]
+        verified = m.verified
         mgr.on_request_finished(ctx)
         mgr.complete_store(k[:2], ctx)
         note_request_salt("r-next", "alice")  # the next request of the same tenant
         nxt = ReqContext(req_id="r-next")
         mgr.on_new_request(nxt)
         assert mgr.lookup(k[0], nxt) is LookupResult.HIT
-        assert mgr.lookup(k[1], nxt) is LookupResult.HIT_PENDING
         assert wait_for(lambda: mgr.lookup(k[1], nxt) is LookupResult.MISS)
+        assert m.verified == verified + 1  # only the unannounced block was asked about
+        assert mgr.lookup(k[0], nxt) is LookupResult.HIT
         assert mgr.lookup(k[2], nxt) is LookupResult.HIT_PENDING  # its job still runs
         # A failed job: a miss at once.
         mgr.complete_store(k[2:], ctx, success=False)

@@ -49,12 +49,6 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-# After a store job completed, how long its blocks stay pending hits while the
-# daemon's announcement travels to the mirror (normally it arrived first: the
-# Offload call returns after the commit, the event streams at once). A block
-# the daemon did not keep (dropped store, evicted at once) is a miss after it.
-ANNOUNCE_GRACE_S = 0.25
-
 SHARED_TENANT = tenant_digest(None)
 
 # The metric kvseal adds to vLLM's own /metrics (through the spec's
@@ -191,12 +185,12 @@ class KVSealOffloadingManager(OffloadingManager):
         self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes on every rank
         self._events: queue.SimpleQueue[OffloadingEvent] = queue.SimpleQueue()
         self._reverse: dict[bytes, bytes] = {}  # kvseal hash -> vLLM hash (non-identity)
-        # hash -> tenant -> until when a block being stored is a pending hit. Keyed
-        # by hash first: complete_store may come after on_request_finished, when
-        # the request's tenant is no longer known. Only the scheduler thread
-        # (prepare_store, complete_store, lookup, reset_cache) touches it.
-        self._storing: dict[bytes, dict[bytes, float]] = {}
-        self.announce_grace_s = ANNOUNCE_GRACE_S  # an attribute so tests can widen it
+        # hash -> tenant -> (until when a block being stored is a pending hit,
+        # when its store began). Keyed by hash first: complete_store may come
+        # after on_request_finished, when the request's tenant is no longer
+        # known. Only the scheduler thread (prepare_store, complete_store,
+        # lookup, reset_cache) touches it.
+        self._storing: dict[bytes, dict[bytes, tuple[float, float]]] = {}
         self._load_failed_blocks = 0  # since the last get_stats (scheduler thread)
         # A job in flight ends within the transfer timeout (the worker's bound).
         self._store_bound_s = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0)) + 5
@@ -210,6 +204,7 @@ class KVSealOffloadingManager(OffloadingManager):
                 spec.geometry_template(),
                 self._changed,
                 update_lock=self._lock,
+                discovery=spec.discovery,
             )
             for rank in range(self.world)
         ]
@@ -238,7 +233,8 @@ class KVSealOffloadingManager(OffloadingManager):
                     del self._ready[tenant]
             else:
                 return
-            vh = self._reverse.get(h, h)
+            # Removed: its vLLM hash is not needed after this event (bounded map).
+            vh = self._reverse.get(h, h) if after else self._reverse.pop(h, h)
         if self.spec.kv_events_config.enable_kv_cache_events:
             okey = OffloadKey(keys.make_offload_key(vh, self.spec.group))
             self._events.put(OffloadingEvent(keys=[okey], medium=Medium.CPU, removed=not after))
@@ -258,12 +254,16 @@ class KVSealOffloadingManager(OffloadingManager):
             m.introduce(tenant)
         return tenant
 
-    def _h(self, key: OffloadKey) -> bytes:
+    def _h(self, key: OffloadKey, remember: bool = False) -> bytes:
+        """The kvseal hash of ``key``. ``remember``: a block being stored, whose
+        events must name vLLM's hash (kept until the block is removed; lookups
+        of blocks never stored add nothing, so the map stays bounded)."""
         vh = key[: -keys.OFFLOAD_GROUP_BYTES]
         if len(vh) == keys.HASH_BYTES:
             return bytes(vh)
         h = keys.kvseal_hash(vh)
-        self._reverse[h] = bytes(vh)
+        if remember:
+            self._reverse[h] = bytes(vh)
         return h
 
     # ------------------------------------------------------------ vLLM API
@@ -293,9 +293,9 @@ class KVSealOffloadingManager(OffloadingManager):
         if s is not None and h in s:
             return LookupResult.HIT
         pending = self._storing.get(h)
-        until = pending.get(tenant) if pending is not None else None
-        if until is not None:
-            if time.monotonic() < until:
+        job = pending.get(tenant) if pending is not None else None
+        if job is not None:
+            if time.monotonic() < job[0]:
                 return LookupResult.HIT_PENDING
             self._forget_store(h, tenant)
         if not self.spec.discovery:
@@ -350,7 +350,7 @@ class KVSealOffloadingManager(OffloadingManager):
         hashes: list[bytes] = []
         held: list[bytes] = []
         for k in keys_:
-            h = self._h(k)
+            h = self._h(k, remember=True)
             if h in ready:
                 held.append(h)
             else:
@@ -363,9 +363,10 @@ class KVSealOffloadingManager(OffloadingManager):
             return PrepareStoreOutput(
                 keys_to_store=[], store_spec=KVSealLoadStoreSpec(tenant, []), evicted_keys=[]
             )
-        until = time.monotonic() + self._store_bound_s
+        now = time.monotonic()
+        job = (now + self._store_bound_s, now)
         for h in hashes:
-            self._storing.setdefault(h, {})[tenant] = until
+            self._storing.setdefault(h, {})[tenant] = job
         parent = b""
         pos = req_context.get_offload_key_position(to_store[0])
         if pos is not None:
@@ -383,29 +384,33 @@ class KVSealOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys_: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        """The store job of these blocks ended: each stays a pending hit for
-        ``announce_grace_s`` (:data:`ANNOUNCE_GRACE_S`) more, until the daemon's announcement makes
-        it a hit (or never: then a miss); at once a miss if the job failed.
+        """The store job of these blocks ended. Done: each block is a hit at once,
+        on every rank (:meth:`DaemonMirror.stored`: the mirrors do not wait for
+        the daemon's announcement, which never comes for a tenant the daemon had
+        not yet named on their pool; each verifies the block in the background
+        and drops it if the daemon does not hold it). Failed: a miss at once.
 
         vLLM may call this after ``on_request_finished``, so the request's
         tenant is not looked up (that would re-create its state): every
         tenant with this block's store pending gets the same treatment (the
-        same hash in two tenants' stores at once is rare; the cost of a wrong
-        guess is one recompute)."""
-        until = time.monotonic() + self.announce_grace_s
+        same hash in two tenants' stores at once is rare; a wrong claim is
+        dropped by the verification)."""
+        done: dict[tuple[bytes, float], list[bytes]] = {}  # (tenant, began) -> hashes
         for k in keys_:
             h = self._h(k)
-            for tenant in list(self._storing.get(h, ())):
-                if success and h not in self._ready.get(tenant, ()):
-                    self._storing[h][tenant] = min(self._storing[h][tenant], until)
-                else:
-                    self._forget_store(h, tenant)
+            for tenant, (_until, began) in list(self._storing.get(h, {}).items()):
+                if success:
+                    done.setdefault((tenant, began), []).append(h)
+                self._forget_store(h, tenant)
+        for (tenant, began), hashes in done.items():
+            for m in self.mirrors:
+                m.stored(tenant, hashes, began)
         if len(self._storing) > 4096:  # stale ones (e.g. jobs that never completed)
             now = time.monotonic()
             self._storing = {
                 h: kept
                 for h, ts in self._storing.items()
-                if (kept := {t: u for t, u in ts.items() if u > now})
+                if (kept := {t: j for t, j in ts.items() if j[0] > now})
             }
 
     def _forget_store(self, h: bytes, tenant: bytes) -> None:
@@ -479,7 +484,8 @@ class KVSealOffloadingManager(OffloadingManager):
         tier keeps serving restores it can verify (its blocks are the daemon's,
         not this engine's), so only the per-request state goes: pending stores
         included (a store job in flight at the reset is never completed by vLLM;
-        its block becomes a hit once the daemon announces it)."""
+        its block becomes a hit once the daemon announces it: the tenant is
+        named by then, its request having been seen)."""
         self._reqs.clear()
         self._storing.clear()
 

@@ -7,23 +7,45 @@ the set of READY blocks (tenant, 32-byte hash) of this engine's namespace on
 that rank's daemon, fed by the daemon's ``WatchEvents`` stream in a background
 thread. The scheduler thread only reads a Python set.
 
-How the mirror stays honest:
+How the mirror stays honest (docs/vllm.md, "Many tenants"):
 
 - The namespace is learnt from the daemon, not recomputed: the mirror
   registers an *observer pool* (``RegisterPoolRequest.observer``: no memory,
   on any backend) with the same model fingerprint and block geometry as the
   worker's KV pool, so the daemon gives it the same namespace, and keeps it
   held for the life of the process. Its pool id scopes the event stream and
-  the resynchronising lookups.
+  the mirror's lookups.
+- The daemon streams a tenant's events to the observer pool only once a
+  request on that pool named the tenant, and a brand-new tenant's first store
+  may well come first. So the mirror does not depend on the stream for this
+  engine's own blocks: the manager reports every store job that ended
+  (:meth:`DaemonMirror.stored`) and such a block is a hit at once; a
+  background ``Lookup`` of the blocks the stream has not announced yet (which
+  also names the tenant, before it answers) then keeps or drops each one (the
+  worker reports a dropped store as done too: vLLM 0.32 accepts no failed job).
+  The stream adds the blocks others stored and removes evicted ones.
+- Every answer of a ``Lookup`` (resync, verification, discovery) is applied
+  only to the blocks the mirror heard nothing newer of while it was in flight
+  (an event, a store, a forget): a later fact always wins over an earlier
+  answer, whatever order they arrive in.
 - It subscribes first, then resynchronises, so no event falls in between.
 - A watcher that fell behind is disconnected by the daemon (RESOURCE_EXHAUSTED):
   the mirror resubscribes and re-checks every block it believes READY with
   batched ``Lookup`` calls from its own thread, dropping the rest.
-- A daemon that went away (UNAVAILABLE) or restarted (new ``server_instance``,
-  a new key and an empty cache) empties the mirror.
+- A daemon that went away (UNAVAILABLE) takes the mirror's blocks out of the
+  lookups (they are kept aside); the same daemon back gives them back after a
+  re-check, a restarted one (new ``server_instance``, a new key and an empty
+  cache) drops them.
 - The mirror may still be briefly wrong (an eviction not yet announced): then
   the worker's ``Restore`` fails, nothing was written to the KV pool (the
-  daemon's all-or-nothing restore), and vLLM recomputes the blocks.
+  daemon's all-or-nothing restore), vLLM recomputes the blocks, and the
+  manager has the mirror forget them.
+
+Per-tenant state is bounded: a tenant with no block in the mirror, nothing to
+verify and no request for ``tenant_idle_s`` is forgotten (at most
+:data:`MAX_TENANTS` are remembered; beyond, the least recently used idle ones
+go first); its next request names it again, and its stores are verified as above, so
+forgetting it loses no hit.
 """
 
 from __future__ import annotations
@@ -31,7 +53,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any
 
@@ -43,16 +66,24 @@ log = logging.getLogger("kvseal.vllm")
 
 RESYNC_BATCH = 1024  # hashes per resynchronising Lookup (below the daemon's batch limit)
 MAX_ABSENT = 1 << 20  # known-absent blocks remembered for discovery before starting over
+# Recent removals remembered (oldest forgotten first): a store that ends after
+# its block was announced removed must not bring it back unverified.
+TOMBSTONES = 1 << 16
+MAX_TENANTS = 1 << 16  # tenants remembered by one mirror (see the module doc)
+TENANT_IDLE_S = 300.0  # unused this long, with no block and nothing to verify: forgotten
+SWEEP_S = 1.0  # how often the background thread looks for idle tenants
 
 # (rank, tenant, hash, present) -> None: called on every change, under no lock
 # but the ``update_lock`` the mirror was given (if any).
 ChangeFn = Callable[[int, bytes, bytes, bool], None]
+Key = tuple[bytes, bytes]  # (tenant, hash)
 
 
 # Any 32-byte hash: a Touch of it only names the tenant on the observer pool
 # (touching a block that is absent changes nothing; a Touch, unlike a Lookup,
 # is not counted as a lookup by the daemon's statistics).
 _INTRO_HASH = bytes(32)
+_WAKE: tuple[bytes, list[bytes]] = (b"", [])  # a no-op item: wakes the background thread (work to verify)
 
 
 def observer_geometry(geometry: pb.PoolGeometry) -> pb.PoolGeometry:
@@ -79,16 +110,19 @@ class DaemonMirror:
     """READY blocks of one namespace on one daemon, kept current in the background.
 
     ``contains`` and ``blocks`` are safe from any thread; ``on_change`` (given at
-    construction) is called from the mirror's thread for every block that
-    appears or disappears (and from the caller's thread for :meth:`forget`).
-    ``close`` stops the thread and unregisters the observer pool.
+    construction) is called from the mirror's threads for every block that
+    appears or disappears (and from the caller's thread for :meth:`forget` and
+    :meth:`stored`). ``close`` stops the threads and unregisters the observer pool.
 
     ``update_lock`` (optional, e.g. the vLLM manager's ``lock``) is held while
-    one batch of changes (one event, one resync batch, one discovery answer,
-    one reset) is applied to the mirror and passed to ``on_change``: whoever
-    holds it sees either none or all of a batch, and no batch lands while it
-    is held. It is never held across an RPC, and it must be reentrant if the
-    holder itself calls :meth:`forget`.
+    one batch of changes (one event, one Lookup answer, one store report, one
+    reset) is applied to the mirror and passed to ``on_change``: whoever holds
+    it sees either none or all of a batch, and no batch lands while it is held.
+    It is never held across an RPC, and it must be reentrant if the holder
+    itself calls :meth:`forget` or :meth:`stored`.
+
+    ``discovery``: remember blocks found absent, for :meth:`discover` (off:
+    nothing is remembered). ``tenant_idle_s``: see the module doc.
 
     What the mirror learnt of the daemon at its last registration (for the
     engine's dashboards): ``server_instance``, ``backend`` (``"cpu"``,
@@ -108,6 +142,8 @@ class DaemonMirror:
         *,
         retry_s: float = 0.5,
         update_lock: AbstractContextManager[Any] | None = None,
+        discovery: bool = True,
+        tenant_idle_s: float = TENANT_IDLE_S,
     ) -> None:
         self.rank = rank
         self.target = target
@@ -123,8 +159,23 @@ class DaemonMirror:
         self._on_change = on_change
         self._update_lock: AbstractContextManager[Any] = update_lock or nullcontext()
         self._retry_s = retry_s
+        self._discovery = discovery
+        self.tenant_idle_s = tenant_idle_s
+        # _lock guards _ready, _unverified, _suspended, _watches and _removed_at
+        # (taken after update_lock, never across an RPC).
         self._lock = threading.Lock()
         self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes READY on the daemon
+        # tenant -> blocks a Lookup must confirm (stores this engine completed
+        # that the stream has not announced): the background thread's work.
+        self._unverified: dict[bytes, dict[bytes, None]] = {}
+        # Blocks held when the daemon went away: back after a re-check if the
+        # same daemon answers again, dropped if a restarted one does.
+        self._suspended: dict[bytes, set[bytes]] = {}
+        # One set per Lookup in flight: every block the mirror hears of meanwhile
+        # (its answer is older than that fact and must not override it).
+        self._watches: list[set[Key]] = []
+        self._removed_at: dict[Key, float] = {}  # recent removals (TOMBSTONES)
+        self._stream_gen = 0  # +1 per subscription: an answer across two is re-asked
         self._stop = threading.Event()
         self._call: object | None = None
         self._hold: PoolHold | None = None
@@ -137,23 +188,29 @@ class DaemonMirror:
         self.integrity_policy = ""
         self.synced = threading.Event()  # set while the stream is live and resynced
         # Discovery (opt-in): blocks the daemon held before this mirror subscribed.
-        self._absent: set[tuple[bytes, bytes]] = set()  # checked absent (or failed)
-        self._asked: set[tuple[bytes, bytes]] = set()  # queued or in flight
-        self._discover_q: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
+        self._absent: set[Key] = set()  # checked absent (or failed)
+        self._asked: set[Key] = set()  # queued or in flight
+        self._discover_q: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._discoverer: threading.Thread | None = None
-        # Tenants named on the observer pool, so its event stream carries them.
-        self._introduced: set[bytes] = set()
-        # ...and those the daemon has confirmed named on the current registration
-        # (replaced, not cleared, on a new one: readers need no lock).
-        self.named: frozenset[bytes] = frozenset()
+        # Tenants this mirror names on its observer pool -> when last used (LRU
+        # order: the least recent first). The scheduler thread adds; the
+        # background thread forgets idle ones (_sweep).
+        self._tenants: dict[bytes, float] = {}
+        self._tenants_lock = threading.Lock()
+        # ...and those the daemon confirmed named on the current registration
+        # (mutated by the background thread only; replaced on a new registration).
+        self.named: set[bytes] = set()
         # (tenant, hashes): hashes empty = only name the tenant (introduce)
         self._intro_q: queue.SimpleQueue[tuple[bytes, list[bytes]]] = queue.SimpleQueue()
         self._introducer: threading.Thread | None = None
         self.touched = 0  # hashes the daemon confirmed touched (recency), for tests
         self.resyncs = 0
         self.resets = 0
+        self.verified = 0  # blocks a verification Lookup answered (kept or dropped)
+        self.forgotten_tenants = 0  # tenants reclaimed as idle
         self._thread = threading.Thread(target=self._run, name=f"kvseal-mirror-{rank}", daemon=True)
         self._thread.start()
+        self._start_introducer()
 
     # ------------------------------------------------------------ reads
 
@@ -161,19 +218,26 @@ class DaemonMirror:
         s = self._ready.get(tenant)
         return s is not None and h in s
 
+    def tenants(self) -> int:
+        """Tenants this mirror remembers (named, or to be named)."""
+        return len(self._tenants)
+
     def introduce(self, tenant: bytes) -> None:
         """The daemon scopes a pool's event stream to the tenants that requests
         on that pool named (README "Event and tenant metadata"); the worker's
         transfers go through the worker's pool, so the first time the scheduler
         meets a tenant the mirror names it on its own pool, in the background
-        (one Touch), and from then on receives that tenant's events. Cheap and
-        idempotent: call it for every new request. ``named`` holds the tenants
-        the daemon confirmed; a failed introduction is retried."""
-        if tenant in self._introduced:
-            return
-        self._introduced.add(tenant)
-        self._intro_q.put((tenant, []))
-        self._start_introducer()
+        (one Touch), and from then on receives that tenant's events. Cheap (a
+        short lock, no RPC) and idempotent: call it for every new request (it
+        also marks the tenant used, for the idle sweep). ``named`` holds the
+        tenants the daemon confirmed; a failed naming is retried. This engine's
+        own stores do not wait for it (:meth:`stored`)."""
+        now = time.monotonic()
+        with self._tenants_lock:
+            known = self._tenants.pop(tenant, None) is not None
+            self._tenants[tenant] = now
+        if not known:
+            self._intro_q.put((tenant, []))
 
     def touch(self, tenant: bytes, hashes: Iterable[bytes]) -> None:
         """Mark blocks as just used in the daemon's LRU, in the background.
@@ -189,53 +253,37 @@ class DaemonMirror:
         hs = list(hashes)
         if hs:
             self._intro_q.put((tenant, hs))
-            self._start_introducer()
 
-    def _start_introducer(self) -> None:
-        if self._introducer is None:
-            self._introducer = threading.Thread(
-                target=self._introduce_run, name=f"kvseal-introduce-{self.rank}", daemon=True
-            )
-            self._introducer.start()
-
-    def _introduce_run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                first = self._intro_q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            # Coalesce whatever else is queued: one Touch per tenant per round.
-            todo: dict[bytes, dict[bytes, None]] = {}  # ordered, deduplicated
-            item: tuple[bytes, list[bytes]] | None = first
-            while item is not None:
-                tenant, hs = item
-                todo.setdefault(tenant, {}).update(dict.fromkeys(hs or [_INTRO_HASH]))
-                try:
-                    item = self._intro_q.get_nowait()
-                except queue.Empty:
-                    item = None
-            pool_id = self.pool_id
-            if pool_id is None:
-                continue  # tenants are re-introduced after the next registration
-            retry = False
-            for tenant, hset in todo.items():
-                hl = list(hset)
-                for i in range(0, len(hl), RESYNC_BATCH):
-                    try:
-                        n = self._client.touch(pool_id, tenant, hl[i : i + RESYNC_BATCH])
-                    except KVSealRpcError as e:
-                        log.info("kvseal mirror %d: Touch failed: %s", self.rank, e)
-                        if tenant not in self.named and pool_id == self.pool_id:
-                            # Unnamed, the tenant's events never reach this mirror:
-                            # name it again (recency alone is not worth a retry).
-                            self._intro_q.put((tenant, []))
-                            retry = True
-                        break
-                    self.touched += n
-                    if pool_id == self.pool_id:
-                        self.named = self.named | {tenant}
-            if retry:
-                self._stop.wait(self._retry_s)
+    def stored(self, tenant: bytes, hashes: Sequence[bytes], since: float) -> None:
+        """This engine's store of ``hashes`` (begun at ``since``, ``time.monotonic``)
+        ended as done. Each block the mirror has not heard of is a hit at once,
+        and is verified by a background ``Lookup`` (which also names the tenant,
+        before it answers): kept if the daemon holds it, dropped if not (a
+        dropped store, an eviction the stream could not announce). A block the
+        stream announced removed after ``since`` only gets the Lookup (the
+        removal may be this very block's eviction). While the mirror is not
+        subscribed nothing is claimed: the Lookup decides once it is."""
+        live = self.synced.is_set()
+        add: list[bytes] = []
+        with self._update_lock:
+            with self._lock:
+                s = self._ready.get(tenant)
+                todo = None
+                for h in hashes:
+                    if s is not None and h in s:
+                        continue  # announced (or already claimed and being verified)
+                    if todo is None:
+                        todo = self._unverified.setdefault(tenant, {})
+                    todo[h] = None
+                    removed = self._removed_at.get((tenant, h))
+                    if live and (removed is None or removed < since):
+                        add.append(h)
+                if add:
+                    self._apply_locked(tenant, add, True)
+            for h in add:
+                self._on_change(self.rank, tenant, h, True)
+        if todo is not None:
+            self._intro_q.put(_WAKE)
 
     def known_absent(self, tenant: bytes, h: bytes) -> bool:
         return (tenant, h) in self._absent
@@ -260,8 +308,18 @@ class DaemonMirror:
         return True
 
     def forget(self, tenant: bytes, hashes: Iterable[bytes]) -> None:
-        """Drop blocks the daemon could not restore (see the manager's load_failed)."""
-        self._set(tenant, hashes, False)
+        """Drop blocks the daemon could not restore (see the manager's load_failed),
+        also from the blocks to verify: they come back only if the daemon
+        announces them anew (or this engine stores them again)."""
+        hs = list(hashes)
+        with self._lock:
+            todo = self._unverified.get(tenant)
+            if todo is not None:
+                for h in hs:
+                    todo.pop(h, None)
+                if not todo:
+                    del self._unverified[tenant]
+        self._set(tenant, hs, False)
 
     def blocks(self) -> int:
         with self._lock:
@@ -269,40 +327,236 @@ class DaemonMirror:
 
     # ------------------------------------------------------------ updates
 
-    def _set(self, tenant: bytes, hashes: Iterable[bytes], present: bool) -> None:
+    def _apply_locked(self, tenant: bytes, hashes: Iterable[bytes], present: bool) -> list[bytes]:
+        """Apply one fact to ``_ready`` (under ``_lock``): the blocks whose state
+        changed. Every block is noted in the Lookups in flight (their answers
+        are older) and, removed, in the tombstones and (discovery) as absent."""
         changed: list[bytes] = []
+        s = self._ready.setdefault(tenant, set())
+        now = time.monotonic()
+        for h in hashes:
+            k = (tenant, h)
+            for w in self._watches:
+                w.add(k)
+            if present:
+                if h not in s:
+                    s.add(h)
+                    changed.append(h)
+            else:
+                if h in s:
+                    s.discard(h)
+                    changed.append(h)
+                self._removed_at.pop(k, None)
+                self._removed_at[k] = now
+                if self._discovery:
+                    self._absent.add(k)
+        if not s:
+            del self._ready[tenant]
+        while len(self._removed_at) > TOMBSTONES:
+            del self._removed_at[next(iter(self._removed_at))]
+        return changed
+
+    def _set(self, tenant: bytes, hashes: Iterable[bytes], present: bool) -> None:
         # The update lock first (the order every thread takes them in): the
         # batch reaches the mirror and on_change as one step for its holder.
         with self._update_lock:
             with self._lock:
-                s = self._ready.setdefault(tenant, set())
-                for h in hashes:
-                    if present and h not in s:
-                        s.add(h)
-                        changed.append(h)
-                    elif not present and h in s:
-                        s.discard(h)
-                        changed.append(h)
-                    if not present:
-                        self._absent.add((tenant, h))
-                if not s:
-                    self._ready.pop(tenant, None)
+                changed = self._apply_locked(tenant, hashes, present)
             for h in changed:
                 self._on_change(self.rank, tenant, h, present)
+
+    def _watch_begin(self) -> set[Key]:
+        w: set[Key] = set()
+        with self._lock:
+            self._watches.append(w)
+        return w
+
+    def _watch_end(self, w: set[Key]) -> None:
+        with self._lock:
+            self._watches = [x for x in self._watches if x is not w]
+
+    def _answer(
+        self,
+        tenant: bytes,
+        hashes: Sequence[bytes],
+        ready: Sequence[bool],
+        watch: set[Key],
+        *,
+        add: bool = True,
+        drop: bool = True,
+    ) -> None:
+        """Apply a Lookup's answer, block by block, except to the blocks the mirror
+        heard something newer of while it was in flight (``watch``). ``add``/
+        ``drop``: whether READY / not-READY answers are applied."""
+        up = [
+            h for h, r in zip(hashes, ready, strict=True) if r and add and (tenant, h) not in watch
+        ]
+        down = [
+            h
+            for h, r in zip(hashes, ready, strict=True)
+            if not r and drop and (tenant, h) not in watch
+        ]
+        with self._update_lock:
+            with self._lock:
+                gained = self._apply_locked(tenant, up, True) if up else []
+                lost = self._apply_locked(tenant, down, False) if down else []
+            for h in gained:
+                self._on_change(self.rank, tenant, h, True)
+            for h in lost:
+                self._on_change(self.rank, tenant, h, False)
 
     def _forget_discovery(self) -> None:
         self._absent = set()  # replaced, not cleared: readers need no lock
 
-    def _clear(self) -> None:
+    def _suspend(self) -> None:
+        """The daemon went away: its blocks leave the lookups (a restore could not
+        reach it) and are kept aside for :meth:`_register`."""
         self._forget_discovery()
         with self._update_lock:
             with self._lock:
                 old, self._ready = self._ready, {}
+                for tenant, hashes in old.items():
+                    self._suspended.setdefault(tenant, set()).update(hashes)
             for tenant, hashes in old.items():
                 for h in hashes:
                     self._on_change(self.rank, tenant, h, False)
 
-    # ------------------------------------------------------------ thread
+    def _clear(self) -> None:
+        """A restarted daemon (new key, empty cache): nothing it was said to hold
+        is there. Blocks still to verify stay queued (stores that may have ended
+        on the new daemon); the verification decides."""
+        self._forget_discovery()
+        with self._update_lock:
+            with self._lock:
+                old, self._ready = self._ready, {}
+                self._suspended = {}
+            for tenant, hashes in old.items():
+                for h in hashes:
+                    self._on_change(self.rank, tenant, h, False)
+
+    # ------------------------------------------------------------ background
+
+    def _start_introducer(self) -> None:
+        if self._introducer is None:
+            self._introducer = threading.Thread(
+                target=self._introduce_run, name=f"kvseal-introduce-{self.rank}", daemon=True
+            )
+            self._introducer.start()
+
+    def _introduce_run(self) -> None:
+        """Names tenants, touches blocks, verifies stores and forgets idle tenants:
+        every RPC of the scheduler's requests, off the scheduler thread."""
+        last_sweep = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                first: tuple[bytes, list[bytes]] | None = self._intro_q.get(timeout=0.2)
+            except queue.Empty:
+                first = None
+            # Coalesce whatever else is queued: one Touch per tenant per round.
+            todo: dict[bytes, dict[bytes, None]] = {}  # ordered, deduplicated
+            item = first
+            while item is not None:
+                tenant, hs = item
+                if tenant:
+                    todo.setdefault(tenant, {}).update(dict.fromkeys(hs or [_INTRO_HASH]))
+                try:
+                    item = self._intro_q.get_nowait()
+                except queue.Empty:
+                    item = None
+            try:
+                retry = self._touch_round(todo)
+                retry = self._verify_round() or retry
+                now = time.monotonic()
+                if now - last_sweep >= SWEEP_S:
+                    last_sweep = now
+                    self._sweep(now)
+            except Exception:  # never let this thread die: naming would stop
+                log.exception("kvseal mirror %d: background round failed", self.rank)
+                retry = True
+            if retry:
+                self._stop.wait(self._retry_s)
+
+    def _touch_round(self, todo: dict[bytes, dict[bytes, None]]) -> bool:
+        pool_id = self.pool_id
+        if pool_id is None or not todo:
+            return False  # tenants are named again after the next registration
+        retry = False
+        for tenant, hset in todo.items():
+            hl = list(hset)
+            for i in range(0, len(hl), RESYNC_BATCH):
+                try:
+                    n = self._client.touch(pool_id, tenant, hl[i : i + RESYNC_BATCH])
+                except KVSealRpcError as e:
+                    log.info("kvseal mirror %d: Touch failed: %s", self.rank, e)
+                    if tenant not in self.named and pool_id == self.pool_id:
+                        # Unnamed, the tenant's events (others' stores, evictions)
+                        # never reach this mirror: name it again (recency alone is
+                        # not worth a retry).
+                        self._intro_q.put((tenant, []))
+                        retry = True
+                    break
+                self.touched += n
+                if pool_id == self.pool_id:
+                    self.named.add(tenant)
+        return retry
+
+    def _verify_round(self) -> bool:
+        """One Lookup per tenant (per batch) of the blocks to verify (see
+        :meth:`stored`); only while subscribed, so that every change after the
+        answer reaches the mirror as an event. True when some must be re-asked."""
+        pool_id, gen = self.pool_id, self._stream_gen
+        if pool_id is None or not self.synced.is_set():
+            return False  # kept queued: asked once the stream is back
+        with self._lock:
+            work, self._unverified = self._unverified, {}
+        retry = False
+        for tenant, hs in work.items():
+            hl = list(hs)
+            for i in range(0, len(hl), RESYNC_BATCH):
+                batch = hl[i : i + RESYNC_BATCH]
+                watch = self._watch_begin()
+                try:
+                    states = self._client.lookup(pool_id, tenant, batch).states
+                except KVSealRpcError as e:
+                    log.info("kvseal mirror %d: verifying Lookup failed: %s", self.rank, e)
+                    states = None
+                finally:
+                    self._watch_end(watch)
+                if (
+                    states is None
+                    or pool_id != self.pool_id
+                    or gen != self._stream_gen
+                    or not self.synced.is_set()
+                ):
+                    # Not answered, or not across one live subscription: ask again.
+                    with self._lock:
+                        self._unverified.setdefault(tenant, {}).update(dict.fromkeys(batch))
+                    retry = True
+                    continue
+                self.named.add(tenant)  # the Lookup named it before it answered
+                self.verified += len(batch)
+                ready = [st == pb.BLOCK_READY for st in states]
+                self._answer(tenant, batch, ready, watch)
+        return retry
+
+    def _sweep(self, now: float) -> None:
+        """Forget idle tenants (module doc): from the least recently used on, each
+        one unused for ``tenant_idle_s`` (or beyond :data:`MAX_TENANTS`) with no
+        block here and nothing to verify. A tenant still holding blocks stays
+        (its evictions must keep reaching the mirror) and goes to the back."""
+        with self._tenants_lock:
+            for _ in range(len(self._tenants)):
+                tenant, last = next(iter(self._tenants.items()))
+                if len(self._tenants) <= MAX_TENANTS and now - last < self.tenant_idle_s:
+                    return
+                del self._tenants[tenant]
+                if tenant in self._ready or tenant in self._unverified or tenant in self._suspended:
+                    self._tenants[tenant] = now
+                else:
+                    self.named.discard(tenant)
+                    self.forgotten_tenants += 1
+
+    # ------------------------------------------------------------ stream
 
     def _register(self) -> None:
         # An observer pool maps nothing, on any backend (a CUDA daemon refuses
@@ -313,6 +567,16 @@ class DaemonMirror:
         if self.server_instance is not None and h.server_instance != self.server_instance:
             self.resets += 1
             self._clear()  # a restarted daemon: new key, empty cache
+        else:
+            # The same daemon: what was set aside comes back (re-checked by the
+            # resync that follows every registration).
+            with self._update_lock:
+                with self._lock:
+                    back, self._suspended = self._suspended, {}
+                    gained = {t: self._apply_locked(t, hs, True) for t, hs in back.items()}
+                for t, hs in gained.items():
+                    for x in hs:
+                        self._on_change(self.rank, t, x, True)
         self.namespace, self.pool_id, self.server_instance = (
             h.namespace,
             h.pool_id,
@@ -329,9 +593,12 @@ class DaemonMirror:
         if self._hold is not None:
             self._hold.close(wait=0)
         self._hold = PoolHold(self._client._stub, h.pool_id, retry=True)
-        # A new registration has named no tenant yet: name every one we know.
-        self.named = frozenset()
-        for tenant in list(self._introduced):
+        # A new registration has named no tenant yet: name every one we know
+        # (those with blocks are named by the resync's Lookups as well).
+        self.named = set()
+        with self._tenants_lock:
+            known = list(self._tenants)
+        for tenant in known:
             self._intro_q.put((tenant, []))
 
     def _watch(self) -> Any:
@@ -346,10 +613,12 @@ class DaemonMirror:
         call = self._client._stub.WatchEvents(req)
         self._call = call
         call.initial_metadata()
+        self._stream_gen += 1
         return call
 
     def _resync(self) -> None:
-        """Keep only the blocks the daemon still reports READY."""
+        """Keep only the blocks the daemon still reports READY (each Lookup also
+        names its tenant on the observer pool, before it answers)."""
         assert self.pool_id is not None
         self._forget_discovery()  # blocks stored during the gap may be known again
         with self._lock:
@@ -357,10 +626,14 @@ class DaemonMirror:
         for tenant, hashes in snapshot.items():
             for i in range(0, len(hashes), RESYNC_BATCH):
                 batch = hashes[i : i + RESYNC_BATCH]
-                states = self._client.lookup(self.pool_id, tenant, batch).states
-                gone = [h for h, st in zip(batch, states, strict=False) if st != pb.BLOCK_READY]
-                if gone:
-                    self._set(tenant, gone, False)
+                watch = self._watch_begin()
+                try:
+                    states = self._client.lookup(self.pool_id, tenant, batch).states
+                finally:
+                    self._watch_end(watch)
+                ready = [st == pb.BLOCK_READY for st in states]
+                self._answer(tenant, batch, ready, watch, add=False)
+            self.named.add(tenant)
         self.resyncs += 1
 
     def _run(self) -> None:
@@ -369,11 +642,13 @@ class DaemonMirror:
             try:
                 if self.pool_id is None or self._hold is None or self._hold.ended.is_set():
                     self._register()
+                    need_resync = True  # a new pool id names no tenant: re-check all
                 stream = self._watch()
                 if need_resync:
                     self._resync()
                     need_resync = False
                 self.synced.set()
+                self._intro_q.put(_WAKE)  # stores waiting for a live stream
                 for ev in stream:
                     if ev.namespace != self.namespace:
                         continue
@@ -392,16 +667,15 @@ class DaemonMirror:
                 if e.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                     need_resync = True  # fell behind: events were lost
                     continue
-                # The daemon is gone or refused us: nothing it held can be
-                # trusted to survive; register again when it answers.
-                log.info("kvseal mirror %d: %s; emptied, retrying", self.rank, e)
-                self._clear()
+                # The daemon is gone or refused us: set its blocks aside until it
+                # answers again (the same daemon gives them back, re-checked).
+                log.info("kvseal mirror %d: %s; blocks set aside, retrying", self.rank, e)
+                self._suspend()
                 self.pool_id = None
-                need_resync = False
             except Exception:  # the mirror must never take the scheduler down
                 self.synced.clear()
-                log.exception("kvseal mirror %d failed; emptied, retrying", self.rank)
-                self._clear()
+                log.exception("kvseal mirror %d failed; blocks set aside, retrying", self.rank)
+                self._suspend()
                 self.pool_id = None
             self._stop.wait(self._retry_s)
 
@@ -421,19 +695,20 @@ class DaemonMirror:
             for tenant, h in batch:
                 by_tenant.setdefault(tenant, []).append(h)
             for tenant, hashes in by_tenant.items():
-                ready: list[bytes] = []
+                ready: list[bool] = []
                 pool_id = self.pool_id
+                watch = self._watch_begin()
                 try:
                     if pool_id is not None:
                         states = self._client.lookup(pool_id, tenant, hashes).states
-                        ready = [
-                            h for h, st in zip(hashes, states, strict=False) if st == pb.BLOCK_READY
-                        ]
+                        ready = [st == pb.BLOCK_READY for st in states]
                 except KVSealRpcError as e:
                     log.info("kvseal mirror %d: discovery lookup failed: %s", self.rank, e)
-                if ready:
-                    self._set(tenant, ready, True)
-                got = set(ready)
+                finally:
+                    self._watch_end(watch)
+                if ready:  # only adds: a discovered block, unless something newer came
+                    self._answer(tenant, hashes, ready, watch, drop=False)
+                got = {h for h, r in zip(hashes, ready, strict=False) if r}
                 for h in hashes:
                     if h not in got:
                         self._absent.add((tenant, h))  # absent, or unknown: a miss

@@ -16,8 +16,8 @@ across salts) and a failed restore cannot be reported as a recompute.
   integrity drops come back through the mirrors as removals. A block whose
   store is in flight is a pending hit (``HIT_PENDING``: vLLM defers the
   request a step instead of recomputing the block), as in vLLM's own CPU
-  manager, for a bounded time (:data:`ANNOUNCE_GRACE_S` after the store
-  completed; then a miss).
+  manager, for a bounded time (the transfer timeout); a store that ended is a
+  hit at once, verified by the mirrors in the background.
 - :class:`KVSealOffloadingWorker` (worker process) registers this rank's KV
   pool with its daemon and turns ``submit_store``/``submit_load`` into
   ``Offload``/``Restore`` calls on its own threads (stores, loads, and vLLM
@@ -45,7 +45,6 @@ from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys
 from kvseal.vllm.kv_pool import EngineEvent, KVPool
 from kvseal.vllm.manager import (  # re-exported: the spec's public names
-    ANNOUNCE_GRACE_S,
     CONFIG_INFO_KEYS,
     LOAD_FAILED_BLOCKS,
     SHARED_TENANT,
@@ -71,7 +70,6 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 log = logging.getLogger("kvseal.vllm")
 
 __all__ = [
-    "ANNOUNCE_GRACE_S",
     "CONFIG_INFO_KEYS",
     "LOAD_FAILED_BLOCKS",
     "SHARED_TENANT",
