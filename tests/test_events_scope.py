@@ -186,3 +186,40 @@ def test_tenant_key_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         load_tenant_key()
     monkeypatch.delenv("KVSEAL_TENANT_KEY_FILE")
     assert load_tenant_key() is None and ClientConfig(target="unix:///x").tenant_key is None
+
+
+def test_tenant_scope_reclaims_idle_tenants_and_stays_bounded() -> None:
+    """The per-pool tenant set behind scoped WatchEvents (events.TenantScope):
+    a tenant not named for ``idle_s`` whose blocks are all gone is forgotten;
+    one still holding blocks is kept (its evictions must reach the watchers);
+    beyond ``limit`` the least recently named tenants without blocks go first;
+    a forgotten tenant named again is back at once."""
+    from kvseal.server.events import TenantScope
+
+    now = [0.0]
+    scope = TenantScope(limit=64, idle_s=10.0, clock=lambda: now[0])
+    ts = [bytes([i]) * 32 for i in range(80)]
+    holding = {ts[0], ts[1]}
+
+    def held(t: bytes) -> bool:
+        return t in holding
+
+    for t in ts[:40]:
+        scope.note(t)
+    now[0] = 5.0
+    scope.note(ts[39])  # refreshed
+    assert scope.reclaim(held) == 0 and len(scope) == 40  # none idle yet
+    now[0] = 12.0
+    assert scope.reclaim(held) == 37  # idle, without blocks: not ts[0], ts[1] (blocks), ts[39]
+    assert ts[39] in scope
+    assert ts[0] in scope and ts[1] in scope and ts[2] not in scope
+    scope.note(ts[2])
+    assert ts[2] in scope  # named again: back at once
+    # Over the limit: the least recently named without blocks go first.
+    for i, t in enumerate(ts[3:80]):
+        now[0] = 13.0 + i * 0.001
+        scope.note(t, held)
+    assert len(scope) <= 64
+    assert ts[0] in scope and ts[1] in scope  # holding blocks: kept
+    assert ts[79] in scope  # the most recent
+    assert ts[2] not in scope  # the least recent without blocks
