@@ -5,8 +5,11 @@
 # plain shared-memory copy worker; benchmark only), kvseal write-through and
 # kvseal write-back, each kvseal arm with a real daemon.
 #
-#   make bench-serving ARGS=--quick   one short point per workload (about 6 minutes on 2 cores)
-#   make bench-serving                the sweep of docs/serving.md (about 31 minutes on 2 cores)
+# Workloads: llmd, conv, conv-salted (a cache_salt per tenant, 1 to one per
+# conversation) and fits; ARGS="--workloads conv-salted" runs a subset.
+#
+#   make bench-serving ARGS=--quick   one short point per workload (about 8 minutes on 2 cores)
+#   make bench-serving                the sweep of docs/serving.md (about 50 minutes on 2 cores)
 #   make serving-report               docs/serving.md tables and docs/serving-*.png from
 #                                     docs/serving-results.json (SERVING_RESULTS=... for another)
 
