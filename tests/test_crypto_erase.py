@@ -128,7 +128,7 @@ def _put_back(r: Rig, saved: list[Saved], cts: list[bytes], epoch: int | None = 
             index._clock += 1
             e.last_use = index._clock
             index._insert(e)
-            index._ready[key] = e
+            index._show(e)
             index._consider(e)
 
 

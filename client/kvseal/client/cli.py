@@ -48,7 +48,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     with _client(args) as c:
         try:
-            s = c.stats()
+            s = c.stats(args.pool)
         except KVSealRpcError as e:
             print(f"UNREACHABLE: {e}", file=sys.stderr)
             return EXIT_UNREACHABLE
@@ -231,9 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "stats",
         help="print the daemon's counters and configuration, one field a line in "
-        "StatsReply's field order (--json: keys sorted)",
+        "StatsReply's field order (--json: keys sorted). Scoped to the caller: the "
+        "whole daemon for an --operator-uid of the daemon, one pool's with --pool, "
+        "else the configuration only (the 'scope' field says which)",
     )
     s.add_argument("--json", action="store_true")
+    s.add_argument(
+        "--pool", default="", help="a pool id this engine registered: that pool's counts"
+    )
     s.set_defaults(fn=cmd_stats)
     t = sub.add_parser(
         "selftest", help="round-trip synthetic blocks of real geometry and check every byte"

@@ -305,8 +305,13 @@ class KVSealClient:
         )
         return int(r.dropped_blocks)
 
-    def stats(self) -> pb.StatsReply:
-        reply: pb.StatsReply = self._call("Stats", pb.StatsRequest())
+    def stats(self, pool_id: str = "") -> pb.StatsReply:
+        """The daemon's Stats, scoped to the caller (``reply.scope``): with
+        ``pool_id`` (a pool this client registered), that pool's requests and its
+        tenants' blocks; without, the whole daemon for an operator
+        (``--operator-uid``) and the daemon's configuration only for anyone
+        else. KVSealRpcError NOT_FOUND (UNKNOWN_POOL) for an unknown pool."""
+        reply: pb.StatsReply = self._call("Stats", pb.StatsRequest(pool_id=pool_id))
         return reply
 
     def tenant_digest(self, cache_salt: str | bytes | None) -> bytes:

@@ -27,6 +27,13 @@ class OffloadOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OFFLOAD_ALREADY_PRESENT: _ClassVar[OffloadOutcome]
     OFFLOAD_IN_PROGRESS: _ClassVar[OffloadOutcome]
 
+class StatsScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATS_SCOPE_UNSPECIFIED: _ClassVar[StatsScope]
+    STATS_SCOPE_FACTS: _ClassVar[StatsScope]
+    STATS_SCOPE_POOL: _ClassVar[StatsScope]
+    STATS_SCOPE_DAEMON: _ClassVar[StatsScope]
+
 class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
@@ -70,6 +77,10 @@ OFFLOAD_OUTCOME_UNSPECIFIED: OffloadOutcome
 OFFLOAD_STORED: OffloadOutcome
 OFFLOAD_ALREADY_PRESENT: OffloadOutcome
 OFFLOAD_IN_PROGRESS: OffloadOutcome
+STATS_SCOPE_UNSPECIFIED: StatsScope
+STATS_SCOPE_FACTS: StatsScope
+STATS_SCOPE_POOL: StatsScope
+STATS_SCOPE_DAEMON: StatsScope
 EVENT_KIND_UNSPECIFIED: EventKind
 BLOCK_STORED: EventKind
 BLOCK_REMOVED: EventKind
@@ -312,11 +323,13 @@ class DropReply(_message.Message):
     def __init__(self, dropped_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("server_instance", "backend", "backend_detail", "host_bytes_capacity", "host_bytes_used", "blocks_ready", "blocks_pending", "blocks_pinned", "pools", "lookups", "lookup_hit_blocks", "offloaded_blocks", "offloaded_bytes", "restored_blocks", "restored_bytes", "evicted_blocks", "dropped_blocks", "integrity_failures", "integrity_policy", "key_epoch", "seals_under_current_key", "rekey_after", "host_region", "pool_holds")
+    __slots__ = ("server_instance", "backend", "backend_detail", "host_bytes_capacity", "host_bytes_used", "blocks_ready", "blocks_pending", "blocks_pinned", "pools", "lookups", "lookup_hit_blocks", "offloaded_blocks", "offloaded_bytes", "restored_blocks", "restored_bytes", "evicted_blocks", "dropped_blocks", "integrity_failures", "integrity_policy", "key_epoch", "seals_under_current_key", "rekey_after", "host_region", "pool_holds", "scope")
     SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +354,7 @@ class StatsReply(_message.Message):
     REKEY_AFTER_FIELD_NUMBER: _ClassVar[int]
     HOST_REGION_FIELD_NUMBER: _ClassVar[int]
     POOL_HOLDS_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     server_instance: str
     backend: Backend
     backend_detail: str
@@ -365,7 +379,8 @@ class StatsReply(_message.Message):
     rekey_after: int
     host_region: str
     pool_holds: int
-    def __init__(self, server_instance: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_detail: _Optional[str] = ..., host_bytes_capacity: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., blocks_pending: _Optional[int] = ..., blocks_pinned: _Optional[int] = ..., pools: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., restored_blocks: _Optional[int] = ..., restored_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., integrity_policy: _Optional[str] = ..., key_epoch: _Optional[int] = ..., seals_under_current_key: _Optional[int] = ..., rekey_after: _Optional[int] = ..., host_region: _Optional[str] = ..., pool_holds: _Optional[int] = ...) -> None: ...
+    scope: StatsScope
+    def __init__(self, server_instance: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_detail: _Optional[str] = ..., host_bytes_capacity: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., blocks_pending: _Optional[int] = ..., blocks_pinned: _Optional[int] = ..., pools: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., restored_blocks: _Optional[int] = ..., restored_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., integrity_policy: _Optional[str] = ..., key_epoch: _Optional[int] = ..., seals_under_current_key: _Optional[int] = ..., rekey_after: _Optional[int] = ..., host_region: _Optional[str] = ..., pool_holds: _Optional[int] = ..., scope: _Optional[_Union[StatsScope, str]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("tenant", "pool_id")

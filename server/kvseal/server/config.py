@@ -75,6 +75,11 @@ class ServerConfig:
     host_region: str | None = None
     integrity_policy: IntegrityPolicy = IntegrityPolicy.ABORT
     allow_uids: tuple[int, ...] = ()  # empty: the daemon's own uid
+    # Peers whose Stats without a pool id get the daemon-wide counts (they are
+    # admitted too). A uid other than the daemon's own (and root) needs the
+    # SO_PEERCRED relay to be told apart; the daemon's own uid here makes every
+    # peer of an owner-only socket an operator (they all share that uid).
+    operator_uids: tuple[int, ...] = ()
     # Group (name or gid) that may open the Unix socket (mode 0660); None: the
     # mode follows the allow list (0600 for the daemon's uid alone, else 0666).
     socket_group: str | None = None
@@ -144,7 +149,7 @@ class ServerConfig:
 
     @property
     def effective_allow_uids(self) -> frozenset[int]:
-        return frozenset(self.allow_uids or (os.getuid(),))
+        return frozenset(self.allow_uids or (os.getuid(),)) | frozenset(self.operator_uids)
 
     @property
     def effective_workers(self) -> int:

@@ -25,6 +25,14 @@ Two ways, chosen by ``kvseal.server.main.socket_access`` from the allow list:
   directory only the daemon's uid can enter. The check runs once per
   connection; after it, the relay only moves bytes (``make bench``: round trip
   through the relay vs gRPC's own socket).
+
+  The relay binds its side of each connection to gRPC to an abstract address
+  that carries the peer's uid (``kvseal-peer-<tag>-uid<uid>-<n>``), which gRPC
+  reports as the call's peer: :func:`relayed_uid` reads it back, so that a
+  handler can tell which admitted uid calls (the operator's Stats view). Only
+  processes that can enter the 0700 directory of gRPC's socket (the daemon's
+  uid, root) could connect there with a forged address, and they can read the
+  daemon's state anyway.
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ import time
 from collections.abc import Callable, Iterable
 
 import grpc
+
+_ABSTRACT = "kvseal-peer-"  # the relay's upstream addresses, in the abstract namespace
+_PEER_PREFIX = "unix-abstract:" + _ABSTRACT  # ...as gRPC reports them (context.peer())
 
 log = logging.getLogger("kvseal.peercred")
 _UCRED = struct.Struct("3i")  # pid, uid, gid
@@ -85,6 +96,17 @@ def listen_owner_only(server: grpc.Server, path: str) -> None:
     _replace_with_socket(path, 0o600, bind)
     if os.stat(path).st_mode & 0o077:  # pragma: no cover - umask honoured above
         raise OSError(f"{path} was not created owner-only")
+
+
+def relayed_uid(peer: str, tag: str) -> int | None:
+    """The uid the relay admitted for a call whose ``context.peer()`` is ``peer``
+    (a :class:`PeerCredGate` with this ``tag``); None for any other peer (a
+    direct connection to gRPC's socket, another daemon's relay, TCP)."""
+    head = f"{_PEER_PREFIX}{tag}-uid"
+    if not tag or not peer.startswith(head):
+        return None
+    uid, sep, _ = peer[len(head) :].partition("-")
+    return int(uid) if sep and uid.isdigit() else None
 
 
 class _End:
@@ -132,8 +154,12 @@ class PeerCredGate:
         allowed_uids: Iterable[int],
         mode: int = 0o600,
         gid: int | None = None,
+        tag: str = "",
     ) -> None:
         self.public_path = public_path
+        # Names this gate's upstream addresses (relayed_uid); empty: unbound.
+        self.tag = tag
+        self._seq = 0
         self.internal_path = internal_path
         self.allowed = frozenset(allowed_uids)
         self.mode = mode
@@ -143,7 +169,7 @@ class PeerCredGate:
         self._refusals: dict[int, tuple[float, int]] = {}  # uid -> (last logged, since)
         self._ends: dict[int, _End] = {}  # fd -> end, both sides of every connection
         # Admitted peers whose gRPC connection waits for room in gRPC's backlog.
-        self._waiting: list[tuple[socket.socket, float]] = []
+        self._waiting: list[tuple[socket.socket, float, int]] = []
         self._listener: socket.socket | None = None
         self._epoll: select.epoll | None = None
         self._wake_r, self._wake_w = -1, -1
@@ -260,7 +286,7 @@ class PeerCredGate:
                 self._retry_waiting()
         for end in list(ends.values()):
             self._close(end)  # both sides of each connection
-        for sock, _ in self._waiting:
+        for sock, _, _ in self._waiting:
             sock.close()
         self._waiting.clear()
         self._close_listener()
@@ -310,20 +336,25 @@ class PeerCredGate:
             # Ids only: a connection carries no secret the log could leak.
             log.info("admitted connection from pid %d uid %d", pid, uid)
             conn.setblocking(False)
-            self._connect_upstream(conn, time.monotonic() + _CONNECT_RETRY_S)
+            self._connect_upstream(conn, time.monotonic() + _CONNECT_RETRY_S, uid)
 
-    def _connect_upstream(self, conn: socket.socket, give_up_at: float) -> None:
+    def _connect_upstream(self, conn: socket.socket, give_up_at: float, uid: int) -> None:
         up = socket.socket(
             socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
         )
         try:
+            if self.tag:
+                # The peer's uid, for the handlers (relayed_uid); the sequence
+                # number keeps each address unique while its connection lives.
+                self._seq += 1
+                up.bind(f"\0{_ABSTRACT}{self.tag}-uid{uid}-{self._seq}")
             up.connect(self.internal_path)
         except OSError as e:
             up.close()
             # A Unix socket connects at once or not at all: EAGAIN means gRPC's
             # backlog is full (it is not accepting fast enough): try again soon.
             if e.errno == errno.EAGAIN and time.monotonic() < give_up_at:
-                self._waiting.append((conn, give_up_at))
+                self._waiting.append((conn, give_up_at, uid))
                 return
             if self.draining:
                 # Accepted just before stop_accepting(): gRPC stopped listening for
@@ -342,8 +373,8 @@ class PeerCredGate:
 
     def _retry_waiting(self) -> None:
         waiting, self._waiting = self._waiting, []
-        for conn, give_up_at in waiting:
-            self._connect_upstream(conn, give_up_at)
+        for conn, give_up_at, uid in waiting:
+            self._connect_upstream(conn, give_up_at, uid)
 
     def _pump(self, src: _End, buf: bytearray, view: memoryview) -> None:
         """Move what ``src`` has to its peer. Its EOF is passed on (a half-close,

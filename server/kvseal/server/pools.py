@@ -416,6 +416,9 @@ class Pool:
     # Tenants this pool's requests named, oldest first (SealedCache.note_tenant):
     # the tenants whose events its WatchEvents stream may carry.
     tenants: dict[bytes, None] = field(default_factory=dict)
+    # This pool's own requests, by ``Counters`` field name (SealedCache._count,
+    # under its counter lock): what a Stats call scoped to the pool reports.
+    counters: dict[str, int] = field(default_factory=dict)
 
     @property
     def block_bytes(self) -> int:

@@ -206,11 +206,35 @@ def _transfer_deadline(
     )
 
 
+# The request counts a Stats call scoped to a pool reports (its own requests).
+_POOL_COUNTS = (
+    "lookups",
+    "lookup_hit_blocks",
+    "offloaded_blocks",
+    "offloaded_bytes",
+    "restored_blocks",
+    "restored_bytes",
+    "evicted_blocks",
+    "dropped_blocks",
+    "integrity_failures",
+)
+
+
 class KVSealServicer(pb_grpc.KVSealServicer):
-    def __init__(self, cache: SealedCache, instance: str, on_done: Hook | None = None) -> None:
+    def __init__(
+        self,
+        cache: SealedCache,
+        instance: str,
+        on_done: Hook | None = None,
+        *,
+        is_operator: Callable[[grpc.ServicerContext], bool],
+    ) -> None:
         self.cache = cache
         self.instance = instance
         self.on_done = on_done
+        # Whether a call may see the daemon-wide Stats (--operator-uid; see
+        # kvseal.server.daemon.daemon.operator_check).
+        self.is_operator = is_operator
         self.expiries = Deferred("kvseal-hold-expiry")
 
     @handler
@@ -302,35 +326,56 @@ class KVSealServicer(pb_grpc.KVSealServicer):
 
     @handler
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
-        c = self.cache.counters
-        ix = self.cache.index.stats()
+        """See the proto: the counts of the caller's own pool (``pool_id``), the
+        daemon's (an operator), or none (the daemon's configuration only), so
+        that a peer learns nothing of other tenants' activity from them."""
+        ix = self.cache.index.stats()  # O(1): capacity is a fact
         sealer = self.cache.sealer
-        return pb.StatsReply(
+        facts = pb.StatsReply(
             server_instance=self.instance,
             backend=convert.BACKEND_ENUMS[self.cache.backend.kind],
             backend_detail=self.cache.backend.detail,
             host_bytes_capacity=ix.capacity_bytes,
-            host_bytes_used=ix.used_bytes,
-            blocks_ready=ix.ready,
-            blocks_pending=ix.pending,
-            blocks_pinned=ix.pinned,
-            pools=len(self.cache.pools),
-            pool_holds=self.cache.open_holds,
-            lookups=c.lookups,
-            lookup_hit_blocks=c.lookup_hit_blocks,
-            offloaded_blocks=c.offloaded_blocks,
-            offloaded_bytes=c.offloaded_bytes,
-            restored_blocks=c.restored_blocks,
-            restored_bytes=c.restored_bytes,
-            evicted_blocks=c.evicted_blocks,
-            dropped_blocks=c.dropped_blocks,
-            integrity_failures=c.integrity_failures,
             integrity_policy=self.cache.config.integrity_policy.value,
-            key_epoch=sealer.current_epoch,
-            seals_under_current_key=sealer.seals_under_current_key,
             rekey_after=sealer.rekey_after,
             host_region=self.cache.region.description,
+            scope=pb.STATS_SCOPE_FACTS,
         )
+        if request.pool_id:
+            counts, blocks, nbytes = self.cache.pool_stats(request.pool_id)
+            facts.scope = pb.STATS_SCOPE_POOL
+            facts.host_bytes_used = nbytes
+            facts.blocks_ready = blocks
+            facts.pools = 1
+            for k in _POOL_COUNTS:
+                setattr(facts, k, counts.get(k, 0))
+            return facts
+        if not self.is_operator(context):
+            return facts
+        c = self.cache.counters
+        facts.MergeFrom(
+            pb.StatsReply(
+                scope=pb.STATS_SCOPE_DAEMON,
+                host_bytes_used=ix.used_bytes,
+                blocks_ready=ix.ready,
+                blocks_pending=ix.pending,
+                blocks_pinned=ix.pinned,
+                pools=len(self.cache.pools),
+                pool_holds=self.cache.open_holds,
+                lookups=c.lookups,
+                lookup_hit_blocks=c.lookup_hit_blocks,
+                offloaded_blocks=c.offloaded_blocks,
+                offloaded_bytes=c.offloaded_bytes,
+                restored_blocks=c.restored_blocks,
+                restored_bytes=c.restored_bytes,
+                evicted_blocks=c.evicted_blocks,
+                dropped_blocks=c.dropped_blocks,
+                integrity_failures=c.integrity_failures,
+                key_epoch=sealer.current_epoch,
+                seals_under_current_key=sealer.seals_under_current_key,
+            )
+        )
+        return facts
 
     def HoldPool(
         self, request: pb.HoldPoolRequest, context: grpc.ServicerContext

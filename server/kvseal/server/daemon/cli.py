@@ -68,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the socket 0666 unless --socket-group narrows it [KVSEAL_ALLOW_UIDS=uid,uid]",
     )
     p.add_argument(
+        "--operator-uid",
+        type=int,
+        action="append",
+        default=None,
+        help="uid whose Stats calls without a pool id get the daemon-wide counts (repeatable; "
+        "admitted like --allow-uid). Others get their own pool's counts (Stats with its "
+        "pool id) or the daemon's configuration only. The daemon's own uid makes every "
+        "peer of an owner-only socket an operator [KVSEAL_OPERATOR_UIDS=uid,uid]",
+    )
+    p.add_argument(
         "--socket-group",
         default=_env("KVSEAL_SOCKET_GROUP"),
         help="group (name or gid) whose members may open the Unix socket: socket 0660 "
@@ -142,6 +152,11 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
     uids: tuple[int, ...] = tuple(args.allow_uid or ())
     if not uids and os.environ.get("KVSEAL_ALLOW_UIDS"):
         uids = tuple(int(u) for u in os.environ["KVSEAL_ALLOW_UIDS"].split(",") if u.strip())
+    operators: tuple[int, ...] = tuple(args.operator_uid or ())
+    if not operators and os.environ.get("KVSEAL_OPERATOR_UIDS"):
+        operators = tuple(
+            int(u) for u in os.environ["KVSEAL_OPERATOR_UIDS"].split(",") if u.strip()
+        )
     return ServerConfig(
         listen=args.listen,
         backend=args.backend,
@@ -150,6 +165,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         host_region=args.host_region,
         integrity_policy=IntegrityPolicy(args.on_integrity_failure),
         allow_uids=uids,
+        operator_uids=operators,
         socket_group=args.socket_group,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

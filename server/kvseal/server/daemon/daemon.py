@@ -37,7 +37,7 @@ from kvseal.server.daemon.socket_access import (
     socket_access,
 )
 from kvseal.server.hostregion import RegionError
-from kvseal.server.peercred import PeerCredGate, listen_owner_only
+from kvseal.server.peercred import PeerCredGate, listen_owner_only, relayed_uid
 from kvseal.server.service import KVSealServicer, add_to_server
 from kvseal.v1 import kvseal_pb2 as pb
 
@@ -71,6 +71,29 @@ def make_backend(cfg: ServerConfig, sealer: sealing.BlockSealer) -> Backend:
             raise SystemExit(f"kvseal-server: --backend cuda: {reason}")
         log.info("backend auto: using cpu (%s)", reason)
     return CpuBackend(sealer, cfg.effective_workers, cfg.effective_allow_uids)
+
+
+def operator_check(
+    cfg: ServerConfig, access: SocketAccess | None, relay_tag: str
+) -> Callable[[grpc.ServicerContext], bool]:
+    """Whether a call comes from an operator (``--operator-uid``): the Stats view
+    of the whole daemon. Behind the relay the peer's uid is known
+    (``peercred.relayed_uid``). On an owner-only socket every peer has the
+    daemon's uid (or is root), so they all are operators exactly when that uid
+    is listed. Over tcp:// (mutual TLS) nobody is: operators use the socket or
+    the Prometheus endpoint."""
+    operators = frozenset(cfg.operator_uids)
+    if not operators or access is None:
+        return lambda context: False
+    if not access.relay:
+        everyone = os.geteuid() in operators
+        return lambda context: everyone
+
+    def check(context: grpc.ServicerContext) -> bool:
+        uid = relayed_uid(context.peer(), relay_tag)
+        return uid is not None and uid in operators
+
+    return check
 
 
 @dataclass
@@ -167,8 +190,15 @@ class Daemon:
             ],
             maximum_concurrent_rpcs=cfg.grpc_threads * 4 + cfg.max_watchers + cfg.max_holds,
         )
+        relay_tag = secrets.token_hex(8)
         add_to_server(
-            KVSealServicer(cache, instance, on_done=metrics.on_request if metrics else None), server
+            KVSealServicer(
+                cache,
+                instance,
+                on_done=metrics.on_request if metrics else None,
+                is_operator=operator_check(cfg, access, relay_tag),
+            ),
+            server,
         )
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -197,6 +227,7 @@ class Daemon:
                     cfg.effective_allow_uids,
                     mode=access.mode,
                     gid=access.gid,
+                    tag=relay_tag,
                 )
             log.info(
                 "socket %s: %s; allowed uids %s; lock file %s",

@@ -88,6 +88,9 @@ class Index:
         # engine's Lookup behind a Stats call). A scope leaves the dict with its
         # last entry, so idle tenants cost nothing here.
         self._scopes: dict[tuple[bytes, bytes], dict[bytes, Entry]] = {}
+        # Visible READY blocks and their bytes per key scope, for a caller's own
+        # Stats (scope_usage); a scope leaves with its last visible block.
+        self._scope_ready: dict[tuple[bytes, bytes], list[int]] = {}
         self._pending = 0
         self._pinned = 0
         self._leaves = EvictableLeaves()  # eviction candidates, in recency order
@@ -154,6 +157,20 @@ class Index:
         with self._lock:
             return len(self._scopes.get((ns, tenant), ()))
 
+    def scope_usage(self, ns: bytes, tenants: Iterable[bytes]) -> tuple[int, int]:
+        """Visible READY blocks and their plaintext bytes over ``tenants`` in
+        ``ns``: O(len(tenants)), read without the index lock (each count is one
+        read under the GIL; the sum is not one snapshot, which a statistic need
+        not be), so a caller's Stats never delays a Lookup."""
+        blocks = nbytes = 0
+        get = self._scope_ready.get
+        for t in tenants:
+            usage = get((ns, t))
+            if usage is not None:
+                blocks += usage[0]
+                nbytes += usage[1]
+        return blocks, nbytes
+
     def lru_order(self) -> list[BlockKey]:
         """Visible READY blocks, least recently used first (O(N log N):
         tests and diagnostics, not the data path)."""
@@ -214,7 +231,7 @@ class Index:
                 for v in victims:
                     self._untrack(v)  # a chosen heap item was popped: it is gone
                     v.doomed_by = ev
-                    del self._ready[v.key]
+                    self._hide(v)
                 for e in new:
                     e.eviction = ev
             # Link chains: parent of hashes[i] is hashes[i-1] (or parent_hash),
@@ -275,7 +292,7 @@ class Index:
                 self._pending -= 1  # in _map: it was not removed
                 self._clock += 1
                 e.last_use = self._clock
-                self._ready[e.key] = e
+                self._show(e)
                 stored.append(e)
             gone: list[tuple[Entry, Removal]] = []
             if ev is not None:
@@ -357,7 +374,7 @@ class Index:
             why = going.get(id(v))
             if why is None:
                 self._alloc.reserve(v.extent)  # only holds and unwritten slots: free now
-                self._ready[v.key] = v
+                self._show(v)
                 self._consider(v)
                 continue
             # Its bytes went back to the allocator when it was doomed.
@@ -449,6 +466,22 @@ class Index:
 
     # ----------------------------------------------------------- internals
 
+    def _show(self, e: Entry) -> None:
+        """Make ``e`` visible READY (lock held)."""
+        self._ready[e.key] = e
+        usage = self._scope_ready.setdefault(e.key[:2], [0, 0])
+        usage[0] += 1
+        usage[1] += e.size
+
+    def _hide(self, e: Entry) -> None:
+        """``e`` stops being visible READY (lock held; it was)."""
+        del self._ready[e.key]
+        usage = self._scope_ready[e.key[:2]]
+        usage[0] -= 1
+        usage[1] -= e.size
+        if not usage[0]:
+            del self._scope_ready[e.key[:2]]
+
     def _insert(self, e: Entry) -> None:
         """Put a new entry (PENDING, but for tests that rebuild a READY one) in
         the map, its scope and the counts (lock held)."""
@@ -522,7 +555,8 @@ class Index:
             if not x.removed:
                 self._forget(x)
             x.removed = True
-            self._ready.pop(x.key, None)
+            if x.key in self._ready and self._ready[x.key] is x:
+                self._hide(x)
             children = list(x.children)
             x.children.clear()
             descend: list[Entry] = []
@@ -567,6 +601,13 @@ class Index:
             for k, e in self._ready.items():
                 if self._map.get(k) is not e:
                     raise AssertionError("_ready entry not in the map")
+            usage: dict[tuple[bytes, bytes], list[int]] = {}
+            for e in self._ready.values():
+                u = usage.setdefault(e.key[:2], [0, 0])
+                u[0] += 1
+                u[1] += e.size
+            if usage != self._scope_ready:
+                raise AssertionError("per-scope READY usage")
             if sum(len(d) for d in self._scopes.values()) != len(self._map) or any(
                 not d or self._map.get((*k, h)) is not e
                 for k, d in self._scopes.items()
