@@ -3,7 +3,15 @@ CPUOffloadingManager, in the same process, on the calling thread (where vLLM's
 scheduler calls ``lookup``, once per block), plus one gRPC Lookup round trip per
 block for scale. Real daemon, real blocks (stored through the real worker).
 
-    make bench-vllm [ARGS="--blocks 4096 --rounds 5"]
+Then the same with many tenants (per-user ``cache_salt``; ``--tenants``, one
+row per count): each tenant a request of its own with ``--tenant-blocks``
+blocks stored (one Offload each), its lookups timed (hit and miss, per block),
+and the memory the manager and its mirror allocated (tracemalloc, allocations
+made by kvseal.vllm's code only) with the tenants active, then once they went
+idle (their blocks dropped from the daemon, their requests finished, the
+mirror's idle sweep run).
+
+    make bench-vllm [ARGS="--blocks 4096 --rounds 5 --tenants 1,100,10000"]
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ import argparse
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -21,7 +31,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tenants", default="1,100,10000", help="tenant counts, one row each")
+    ap.add_argument("--tenant-blocks", type=int, default=1, help="blocks stored per tenant")
     args = ap.parse_args()
+    counts = [int(x) for x in args.tenants.split(",") if x]
 
     from kvseal.client import ClientConfig, KVSealClient, tenant_digest
     from kvseal.vllm import keys
@@ -44,7 +57,8 @@ def main() -> None:
 
     n = args.blocks
     with tempfile.TemporaryDirectory() as tmp:
-        d = Daemon(Path(tmp) / "d", host_bytes=f"{max(64, n * 8 // 1024)}MiB").start()
+        most = max(counts, default=0) * args.tenant_blocks * 2  # hits, and misses never stored
+        d = Daemon(Path(tmp) / "d", host_bytes=f"{max(64, (n + most) * 8 // 1024)}MiB").start()
         try:
             socks = [d.target]
             spec = KVSealOffloadingSpec(offloading_config(socks, 0, events=False))
@@ -115,9 +129,118 @@ def main() -> None:
             for name, s in rows:
                 print(f"  {name:38s} {s * 1e6:9.2f} us/block  {1 / s:12,.0f} lookups/s")
             mgr.shutdown()
+            print(
+                f"many tenants ({args.tenant_blocks} block(s) each), lookup on the calling"
+                f" thread (best of {args.rounds}); manager memory: tracemalloc of kvseal.vllm"
+            )
+            for t in counts:
+                try:
+                    r = tenants_row(spec, w, d.target, t, args.tenant_blocks, args.rounds)
+                except SystemExit:
+                    print(d.log(), d.proc.poll() if d.proc else None, file=sys.stderr)
+                    raise
+                print(
+                    f"  tenants {t:6d}: hit {r['hit'] * 1e6:6.2f} us/block, miss"
+                    f" {r['miss'] * 1e6:6.2f} us/block; manager memory active"
+                    f" {r['active'] / 1024:9.1f} KiB, idle {r['idle'] / 1024:9.1f} KiB"
+                    f" ({r['tenants_active']} -> {r['tenants_idle']} tenants remembered,"
+                    f" {r['blocks']} blocks)"
+                )
             w.shutdown()
         finally:
             d.stop()
+
+
+def tenants_row(spec: Any, w: Any, target: str, t: int, per: int, rounds: int) -> dict[str, Any]:
+    """One ``--tenants`` row (module doc), on a fresh manager: a first wave of
+    ``t`` tenants is timed, then goes idle; a second wave of ``t`` new tenants
+    runs under tracemalloc (so its figures are what the manager holds for ``t``
+    tenants after ``t`` others came and went): memory with them active, then
+    what is left once they went idle too."""
+    from kvseal.client import ClientConfig, KVSealClient, tenant_digest
+    from kvseal.vllm import keys
+    from kvseal.vllm.spec import KVSealLoadStoreSpec, KVSealOffloadingManager, note_request_salt
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, OffloadKey, ReqContext
+
+    from tests_vllm.helpers import wait_for
+
+    mgr = KVSealOffloadingManager(spec)  # a fresh one (the spec keeps its first)
+    m = mgr.mirrors[0]
+    if not wait_for(m.synced.is_set, 60):
+        raise SystemExit("the mirror never subscribed")
+    here = str(Path(keys.__file__).parent / "*")
+    job = [10_000_000 * (1 + t)]
+
+    def traced_bytes() -> int:
+        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, here)])
+        return sum(st.size for st in snap.statistics("filename"))
+
+    def wave(name: str) -> tuple[list[Any], list[Any], list[Any]]:
+        """Each tenant's request stores its blocks as vLLM drives a job."""
+        ctxs, hit, miss = [], [], []
+        for i in range(t):
+            salt = f"{name}-{t}-{i}"
+            ctx = ReqContext(req_id=salt)
+            note_request_salt(salt, salt)
+            mgr.on_new_request(ctx)
+            tag = (hash(name) & 0xFFFF).to_bytes(2, "big") + t.to_bytes(2, "big")
+            hs = [(i * per + j).to_bytes(4, "big") * 7 + tag for j in range(per)]
+            ks = [OffloadKey(keys.make_offload_key(h, 0)) for h in hs]
+            out = mgr.prepare_store(ks, ctx)
+            assert out is not None and isinstance(out.store_spec, KVSealLoadStoreSpec)
+            job[0] += 1
+            w.submit_store(job[0], GPULoadStoreSpec(list(range(1, per + 1)), [per], [0]),
+                           out.store_spec)  # fmt: skip
+            w.wait({job[0]})
+            w.get_finished()
+            mgr.complete_store(out.keys_to_store, ctx)  # as vLLM reports the job
+            ctxs.append(ctx)
+            hit += [(k, ctx) for k in ks]
+            miss += [(OffloadKey(keys.make_offload_key(b"\xee" * 28 + h[-4:], 0)), ctx) for h in hs]
+        if not wait_for(lambda: all(mgr.lookup(k, c) is LookupResult.HIT for k, c in hit), 120):
+            raise SystemExit("stored blocks are not hits")
+        if not wait_for(lambda: not m._unverified, 120):
+            raise SystemExit("the mirror did not verify the stores")
+        return ctxs, hit, miss
+
+    def idle(name: str, ctxs: list[Any]) -> None:
+        """Requests finished, blocks dropped from the daemon, the idle sweep run."""
+        for c in ctxs:
+            mgr.on_request_finished(c)
+        pool_id = w.kv.pool.handle.pool_id
+        with KVSealClient(ClientConfig(target=target)) as cl:
+            for i in range(t):
+                cl.drop(pool_id, tenant_digest(f"{name}-{t}-{i}"), all_of_tenant=True)
+        m.tenant_idle_s = 0.0
+        if not wait_for(lambda: m.blocks() == 0 and m.tenants() == 0, 120):
+            raise SystemExit("the idle tenants were not forgotten")
+        m.tenant_idle_s = 3600.0
+
+    def bench(pairs: list[Any]) -> float:
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for k, c in pairs:
+                mgr.lookup(k, c)
+            best = min(best, time.perf_counter() - t0)
+        return best / len(pairs)
+
+    m.tenant_idle_s = 3600.0
+    ctxs, hit, miss = wave("a")
+    row: dict[str, Any] = {"hit": bench(hit), "miss": bench(miss), "blocks": len(hit)}
+    idle("a", ctxs)
+    tracemalloc.start()
+    ctxs, hit, miss = wave("b")
+    row["active"] = traced_bytes()
+    row["tenants_active"] = m.tenants()
+    del hit, miss
+    idle("b", ctxs)
+    del ctxs
+    row["idle"] = traced_bytes()
+    row["tenants_idle"] = m.tenants()
+    tracemalloc.stop()
+    mgr.shutdown()
+    return row
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Smoke of ``make bench-vllm`` (tests_vllm/bench_lookup.py): a few blocks, one
-round. It broke once unnoticed (the bench stored before the tenant was named,
+round, and the many-tenant rows with 1 and 20 tenants. It broke once unnoticed (the bench stored before the tenant was named,
 so the mirror never heard of the blocks); this keeps it running. Asserts only
 that every row was measured, never a time."""
 
@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_bench_lookup_runs() -> None:
     r = subprocess.run(
-        [sys.executable, "tests_vllm/bench_lookup.py", "--blocks", "128", "--rounds", "1"],
+        [sys.executable, "tests_vllm/bench_lookup.py", "--blocks", "128", "--rounds", "1",
+         "--tenants", "1,20"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -26,3 +27,7 @@ def test_bench_lookup_runs() -> None:
         "gRPC Lookup RPC, 1 block per call",
     ):
         assert row in r.stdout and "us/block" in r.stdout, r.stdout
+    # The many-tenant rows: every tenant went idle and was forgotten.
+    for t in (1, 20):
+        assert f"tenants {t:6d}: hit" in r.stdout, r.stdout
+        assert f"({t} -> 0 tenants remembered, {t} blocks)" in r.stdout, r.stdout

@@ -287,8 +287,12 @@ class KVSealOffloadingManager(OffloadingManager):
         _salts.pop(req_context.req_id, None)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        tenant = self._tenant(req_context)
-        h = self._h(key)
+        # The hot path (once per block, scheduler thread): _tenant and _h inlined
+        # for their common cases (a known request, a 32-byte vLLM hash).
+        st = self._reqs.get(req_context.req_id)
+        tenant = st.tenant if st is not None else self._tenant(req_context)
+        h = key[: -keys.OFFLOAD_GROUP_BYTES]
+        h = bytes(h) if len(h) == keys.HASH_BYTES else self._h(key)
         s = self._ready.get(tenant)
         if s is not None and h in s:
             return LookupResult.HIT

@@ -66,9 +66,11 @@ log = logging.getLogger("kvseal.vllm")
 
 RESYNC_BATCH = 1024  # hashes per resynchronising Lookup (below the daemon's batch limit)
 MAX_ABSENT = 1 << 20  # known-absent blocks remembered for discovery before starting over
-# Recent removals remembered (oldest forgotten first): a store that ends after
-# its block was announced removed must not bring it back unverified.
-TOMBSTONES = 1 << 16
+# Recent removals remembered (at most this many, none older than TOMBSTONE_S,
+# well above a store job's bound): a store reported done after its block was
+# announced removed must not bring it back unverified.
+TOMBSTONES = 1 << 12
+TOMBSTONE_S = 60.0
 MAX_TENANTS = 1 << 16  # tenants remembered by one mirror (see the module doc)
 TENANT_IDLE_S = 300.0  # unused this long, with no block and nothing to verify: forgotten
 SWEEP_S = 1.0  # how often the background thread looks for idle tenants
@@ -83,7 +85,10 @@ Key = tuple[bytes, bytes]  # (tenant, hash)
 # (touching a block that is absent changes nothing; a Touch, unlike a Lookup,
 # is not counted as a lookup by the daemon's statistics).
 _INTRO_HASH = bytes(32)
-_WAKE: tuple[bytes, list[bytes]] = (b"", [])  # a no-op item: wakes the background thread (work to verify)
+_WAKE: tuple[bytes, list[bytes]] = (
+    b"",
+    [],
+)  # a no-op item: wakes the background thread (work to verify)
 
 
 def observer_geometry(geometry: pb.PoolGeometry) -> pb.PoolGeometry:
@@ -352,8 +357,9 @@ class DaemonMirror:
                     self._absent.add(k)
         if not s:
             del self._ready[tenant]
-        while len(self._removed_at) > TOMBSTONES:
-            del self._removed_at[next(iter(self._removed_at))]
+        rm = self._removed_at  # oldest first (a removal re-inserts its key)
+        while rm and (len(rm) > TOMBSTONES or next(iter(rm.values())) < now - TOMBSTONE_S):
+            del rm[next(iter(rm))]
         return changed
 
     def _set(self, tenant: bytes, hashes: Iterable[bytes], present: bool) -> None:
