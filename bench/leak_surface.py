@@ -66,6 +66,7 @@ from kvseal.client import (
     tenant_digest,
 )
 from kvseal.client.shm import KVShape, SharedKVPool
+from kvseal.v1 import kvseal_pb2 as pb
 
 MiB = 1024 * 1024
 SLOT_ALIGN = 256  # kvseal.server.hostregion.SLOT_ALIGN (the script does not import server code)
@@ -443,6 +444,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Measure what a peer that is no operator sees (the daemons inherit this
+    # environment; the test suite sets it for its own daemons).
+    os.environ.pop("KVSEAL_OPERATOR_UIDS", None)
     default_blocks = "1,2,4" if args.quick else "1,2,3,4,8,12,16,32,48,64"
     batches = sorted({int(x) for x in (args.blocks or default_blocks).split(",")})
     if not batches or batches[0] < 1:
@@ -498,15 +502,36 @@ def main(argv: list[str] | None = None) -> int:
                 shape.tokens_per_page,
                 cache_salt="victim-salt-stats",
             )
-            s0 = peer.stats()
+            # The peer holds a pool of its own in the victim's namespace (an
+            # observer pool: same model and block geometry, no memory), and asks
+            # both with it and without a pool id (it is no --operator-uid).
+            g = pool.geometry()
+            own = peer.register_pool(
+                f"attacker-{os.getpid()}",
+                FP_QWEN,
+                pb.PoolGeometry(
+                    tokens_per_page=g.tokens_per_page,
+                    num_layers=g.num_layers,
+                    num_kv_heads=g.num_kv_heads,
+                    head_dim=g.head_dim,
+                    dtype=g.dtype,
+                    layout=g.layout,
+                    block_bytes=bb,
+                ),
+                observer=True,
+            ).pool_id
+            views = {"no pool id": "", "its own pool": own}
+            s0 = {k: peer.stats(v) for k, v in views.items()}
             c.offload(h.pool_id, tv, chain, list(range(pb_blocks)), timeout=BIG_TIMEOUT)
-            s1 = peer.stats()
+            s1 = {k: peer.stats(v) for k, v in views.items()}
             hit = c.lookup(h.pool_id, tv, chain).hit_blocks
             c.restore(h.pool_id, tv, chain[:hit], list(range(hit)), timeout=BIG_TIMEOUT)
-            s2 = peer.stats()
-            d_off, d_hit = stats_delta(s0, s1, fields), stats_delta(s1, s2, fields)
+            s2 = {k: peer.stats(v) for k, v in views.items()}
+            scopes = {k: pb.StatsScope.Name(s.scope) for k, s in s2.items()}
+            d_off = {k: stats_delta(s0[k], s1[k], fields) for k in views}
+            d_hit = {k: stats_delta(s1[k], s2[k], fields) for k in views}
             fams = scrape(port)
-            stats_fields = [f.name for f in s2.DESCRIPTOR.fields]
+            stats_fields = [f.name for f in pb.StatsReply.DESCRIPTOR.fields]
             c.drop(h.pool_id, tv, chain)
             c.unregister_pool(h.pool_id)
             try:
@@ -660,16 +685,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Label values that look like a hash or digest: {len(suspicious)} {suspicious or ''}")
     print(f"StatsReply fields: {', '.join(stats_fields)}")
     print()
-    print("| attacker peer's Stats delta | " + " | ".join(fields) + " |")
-    print("|---|" + "---:|" * len(fields))
-    print(
-        f"| victim offloads a {pb_blocks}-block prompt | "
-        + " | ".join(str(d_off[f]) for f in fields)
-        + " |"
-    )
-    print(
-        "| victim looks it up and restores it | " + " | ".join(str(d_hit[f]) for f in fields) + " |"
-    )
+    print("| attacker peer's Stats delta | scope | " + " | ".join(fields) + " |")
+    print("|---|---|" + "---:|" * len(fields))
+    for view, offloaded in d_off.items():
+        for what, delta in (
+            (f"victim offloads a {pb_blocks}-block prompt", offloaded),
+            ("victim looks it up and restores it", d_hit[view]),
+        ):
+            print(
+                f"| {what} (peer asks with {view}) | {scopes[view]} | "
+                + " | ".join(str(delta[f]) for f in fields)
+                + " |"
+            )
     return 0
 
 
