@@ -235,7 +235,7 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         # Whether a call may see the daemon-wide Stats (--operator-uid; see
         # kvseal.server.daemon.daemon.operator_check).
         self.is_operator = is_operator
-        self.expiries = Deferred("kvseal-hold-expiry")
+        self.expiries = Deferred("kvseal-expiry")  # 15 bytes: the kernel's whole name
 
     @handler
     def RegisterPool(

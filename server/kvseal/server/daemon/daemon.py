@@ -17,7 +17,6 @@ import os
 import secrets
 import threading
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
@@ -39,6 +38,7 @@ from kvseal.server.daemon.socket_access import (
 from kvseal.server.hostregion import RegionError
 from kvseal.server.peercred import PeerCredGate, listen_owner_only, relayed_uid
 from kvseal.server.service import KVSealServicer, add_to_server
+from kvseal.server.threads import FixedPool, name_os_thread
 from kvseal.v1 import kvseal_pb2 as pb
 
 log = logging.getLogger("kvseal")
@@ -175,11 +175,10 @@ class Daemon:
             # Streams (event watchers, pool holds) each keep a thread for their whole
             # life, so the pool is sized for them on top of --grpc-threads. The
             # executor is shared (first come, first served): under a burst of long
-            # transfers a new hold may wait, and clients retry it.
-            futures.ThreadPoolExecutor(
-                cfg.grpc_threads + cfg.max_watchers + cfg.max_holds,
-                thread_name_prefix="kvseal-rpc",
-            ),
+            # transfers a new hold may wait, and clients retry it. All its threads
+            # start now (kvseal.server.threads): the count is the configuration's,
+            # not the highest concurrency seen so far.
+            FixedPool(cfg.grpc_threads + cfg.max_watchers + cfg.max_holds, "kvseal-rpc"),
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.so_reuseport", 0),
@@ -300,6 +299,7 @@ class Daemon:
         exception other than the device's own errors, which the backend handles:
         a defect, not a lost device) is logged once and checking stops; requests
         still find a lost context themselves."""
+        name_os_thread("kvseal-devcheck")  # its kernel name: 15 bytes at most
         while not self.stop_event.wait(self.cfg.device_check_interval):
             try:
                 self.cache.backend.check_device()

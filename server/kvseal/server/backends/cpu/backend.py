@@ -11,8 +11,9 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 from typing import TypeVar
 
 from kvseal.server import telemetry
@@ -20,10 +21,11 @@ from kvseal.server.backends.base import BlockIO, Region, note_written
 from kvseal.server.backends.cpu.shmpool import CpuMappedPool
 from kvseal.server.backends.cpu.staging import Bounce, StagingPool, publisher, snapshotter
 from kvseal.server.deadline import NO_DEADLINE, Deadline
-from kvseal.server.errors import BadRequest, ShuttingDown
+from kvseal.server.errors import BadRequest, DeadlinePassed, ShuttingDown
 from kvseal.server.hostregion import HostRegion
 from kvseal.server.pools import MappedPool, PoolSpec
 from kvseal.server.sealing import AuthenticationFailed, BlockSealer, SealRecord
+from kvseal.server.threads import FixedPool
 
 T = TypeVar("T")
 
@@ -76,7 +78,8 @@ class CpuBackend:
         self._region_ids: frozenset[tuple[int, int]] = frozenset()
         self.stopping = threading.Event()
         self._workers = max(1, workers)
-        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="kvseal-seal")
+        # Every sealing thread exists from the start (kvseal.server.threads).
+        self._pool = FixedPool(self._workers, "kvseal-seal")
         self._chunk = chunk_bytes
         self._bounce = Bounce()
         self._staging = StagingPool(staging_idle_bytes)
@@ -97,10 +100,22 @@ class CpuBackend:
         if wait_event:
             raise BadRequest("cuda_event_ipc_handle is only meaningful on the CUDA backend")
 
-    def _parallel(self, n: int, fn: Callable[[int, int], list[T]]) -> list[list[T] | BaseException]:
+    def _parallel(
+        self, n: int, fn: Callable[[int, int], list[T]], until: float | None = None
+    ) -> list[list[T] | BaseException]:
         """Run ``fn(start, stop)`` over contiguous chunks of ``range(n)``;
         returns each chunk's result or exception, after all have finished
-        (no thread outlives the call)."""
+        (no thread outlives the call).
+
+        ``until`` (``time.monotonic()``; None: no limit) bounds the wait for a
+        sealing thread: the threads are shared by every request, and a chunk
+        still queued behind other requests' work at ``until`` is cancelled (it
+        never runs, so it touches nothing) and reported as DeadlinePassed.
+        Running chunks check the request's deadline before every block, so
+        they end by themselves. This is what lets a request give its verdict at
+        its cutoff, before the client's deadline, however busy the threads are:
+        waiting on for a queued chunk could outlast the client's deadline, and
+        the engine would get a failure without the daemon's reason."""
         chunks = max(1, min(self._workers, n))
         bounds = [n * i // chunks for i in range(chunks + 1)]
         if chunks == 1:
@@ -109,8 +124,18 @@ class CpuBackend:
             except BaseException as e:
                 return [e]
         futures = [self._pool.submit(fn, a, b) for a, b in itertools.pairwise(bounds)]
+        wait(futures, timeout=None if until is None else max(0.0, until - time.monotonic()))
         out: list[list[T] | BaseException] = []
         for f in futures:
+            if f.cancel():  # still queued: it will never start
+                out.append(
+                    DeadlinePassed(
+                        "the request's deadline passed while its blocks waited for a sealing "
+                        "thread (all were busy with other requests); nothing was read or "
+                        "written for them"
+                    )
+                )
+                continue
             exc = f.exception()
             out.append(exc if exc is not None else f.result())
         return out
@@ -165,7 +190,7 @@ class CpuBackend:
                 raise
             return records
 
-        results = self._parallel(len(blocks), work)
+        results = self._parallel(len(blocks), work, deadline.cutoff)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for r in results:
@@ -220,7 +245,7 @@ class CpuBackend:
 
         try:
             with telemetry.stage("copy_verify"):
-                results = self._parallel(len(blocks), verify)
+                results = self._parallel(len(blocks), verify, deadline.cutoff)
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
@@ -248,7 +273,7 @@ class CpuBackend:
                     return []
 
                 with telemetry.stage("scatter"):
-                    for outcome in self._parallel(len(blocks), scatter):
+                    for outcome in self._parallel(len(blocks), scatter, deadline.commit_by):
                         if isinstance(outcome, BaseException):
                             raise outcome
         finally:
