@@ -16,11 +16,22 @@ import pytest
 from kvseal.client import tenant_digest
 from kvseal.client.shm import KVShape, SharedKVPool
 
-from .suites.soak import Check, Sample, evaluate_steady, evaluate_traffic, print_checks
+from .suites.soak import (
+    MAIN,
+    Check,
+    RestoreLatencies,
+    Sample,
+    evaluate_steady,
+    evaluate_traffic,
+    expected_threads,
+    percentiles,
+    print_checks,
+)
 from .suites.soak_engine import GEOMETRY, MAX_CHAIN, Engine, block_content
 
 ROOT = Path(__file__).resolve().parents[1]
-ROW = re.compile(r"^\| \d+ \| \d+ \| \d+ \| \d+ \| 0 \| 0 \| ")
+# t | ops | restores ok | restore ms p50/p99/max | expected errors | wrong | unexpected
+ROW = re.compile(r"^\| \d+ \| \d+ \| \d+ \| (-|[\d.]+/[\d.]+/[\d.]+) \| \d+ \| 0 \| 0 \| ")
 
 
 def test_short_soak_passes_every_check_and_prints_a_row_per_period() -> None:
@@ -42,7 +53,13 @@ def test_short_soak_passes_every_check_and_prints_a_row_per_period() -> None:
     passed = [line for line in lines if line.startswith("PASS ")]
     assert not [line for line in lines if line.startswith("FAIL ")]
     names = {line.split(":")[0] for line in passed}
-    for must in ("PASS 0 wrong bytes", "PASS 0 integrity failures", "PASS whole tier refills"):
+    for must in (
+        "PASS 0 wrong bytes",
+        "PASS 0 integrity failures",
+        "PASS whole tier refills",
+        "PASS daemon's own threads exactly as configured",
+        "PASS gRPC core threads at rest as before traffic",
+    ):
         assert must in names, out
     assert lines[-1] == f"{len(passed)} passed, 0 failed"
     # Engines (SIGKILLed ones too) and the refill pool left no shared memory behind.
@@ -50,14 +67,21 @@ def test_short_soak_passes_every_check_and_prints_a_row_per_period() -> None:
     assert not leaked
 
 
-def sample(t: float, rss: int, fds: int = 30, maps: int = 300, threads: int = 17) -> Sample:
-    return Sample(t, rss, rss // 2, threads, fds, maps, {"integrity_failures": 0}, {})
+OWN = {"kvseal-rpc": 4, "kvseal-seal": 2, MAIN: 2}
+
+
+def sample(
+    t: float, rss: int, fds: int = 30, maps: int = 300, own: dict[str, int] | None = None
+) -> Sample:
+    own = dict(OWN) if own is None else own
+    return Sample(
+        t, rss, rss // 2, sum(own.values()) + 6, fds, maps, {"integrity_failures": 0}, {}, own, 6
+    )
 
 
 def steady(samples: list[Sample]) -> dict[str, bool | None]:
     return {
-        c.name: c.ok
-        for c in evaluate_steady(samples, 10.0, fd_slack=4, maps_slack=8, thread_slack=2)
+        c.name: c.ok for c in evaluate_steady(samples, 10.0, fd_slack=4, maps_slack=8, expected=OWN)
     }
 
 
@@ -74,16 +98,63 @@ def test_rss_check_uses_the_first_sample_after_warm_up_as_baseline() -> None:
     ]
 
 
-def test_fd_mapping_and_thread_counts_must_stay_within_their_slack() -> None:
-    base = [sample(10, 100_000), sample(20, 100_000, fds=34, maps=308, threads=19)]
+THREADS = "daemon's own threads exactly as configured"
+
+
+def test_fd_and_mapping_counts_must_stay_within_their_slack() -> None:
+    base = [sample(10, 100_000), sample(20, 100_000, fds=34, maps=308)]
     assert all(ok is True for ok in steady(base).values())
     r = steady([*base, sample(30, 100_000, fds=35)])
     assert r["fd count flat"] is False and r["mapping count flat"] is True
     assert steady([*base, sample(30, 100_000, maps=309)])["mapping count flat"] is False
-    assert steady([*base, sample(30, 100_000, threads=20)])["thread count flat"] is False
     unreadable = sample(30, 100_000)
     unreadable.fds = None
     assert steady([*base, unreadable])["fd count flat"] is None  # SKIP, not a pass
+
+
+def test_own_threads_must_be_exactly_the_configured_ones_in_every_sample() -> None:
+    base = [sample(10, 100_000), sample(20, 100_000)]
+    assert steady(base)[THREADS] is True
+    # One handler thread more (a pool that grew), one less, an unnamed thread
+    # more (named as the process), a name the configuration does not explain:
+    # each fails, during warm-up too.
+    for own in (
+        {**OWN, "kvseal-rpc": 5},
+        {**OWN, "kvseal-seal": 1},
+        {**OWN, MAIN: 3},
+        {**OWN, "kvseal-other": 1},
+    ):
+        assert steady([sample(1, 100_000, own=own), *base])[THREADS] is False
+        assert steady([*base, sample(30, 100_000, own=own)])[THREADS] is False
+
+
+def test_expected_threads_follow_the_configuration() -> None:
+    e = expected_threads(workers=3, max_holds=5)
+    # --grpc-threads 16 and 8 watchers (ServerConfig's defaults) + --max-holds.
+    assert e == {
+        "kvseal-rpc": 29,
+        "kvseal-seal": 3,
+        "kvseal-expiry": 1,
+        "kvseal-devcheck": 1,
+        MAIN: 2,
+    }
+
+
+def test_restore_latencies_are_read_once_each_and_give_percentiles(tmp_path: Path) -> None:
+    lat = RestoreLatencies(tmp_path)
+    f = tmp_path / "engine-x.json.restores"
+    f.write_text("1.0 10.0 ok\n2.0 30.0 NOT_FOUND/BLOCK_NOT_PRESENT\n")
+    assert lat.take() == [10.0, 30.0]
+    assert lat.take() == []
+    with f.open("a") as out:
+        out.write("3.0 20.0 ok\n4.0 5")  # the last line is still being written
+    assert lat.take() == [20.0]
+    with f.open("a") as out:
+        out.write("0.0 ok\n")
+    assert lat.take() == [50.0]
+    assert percentiles([]) == "-"
+    ms = [float(i) for i in range(1, 201)]  # 1..200
+    assert percentiles(ms) == "100.0/198.0/200.0"
 
 
 def test_integrity_failures_in_any_sample_fail() -> None:

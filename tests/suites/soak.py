@@ -26,8 +26,9 @@ The checks, after warm-up (the first period; samples from then on are
   min >= 0.95 x base).
 - fds: every steady sample within baseline ± ``fd_slack`` = 2 x (2 x layers + 3):
   one engine's pool (one fd per shared-memory buffer, at most 2 x layers, the
-  SGLang layout) plus its connection (3 fds: the accepted public socket and both
-  ends of the peer-credential gate's relay to gRPC's internal socket), counted
+  SGLang layout) plus its connection (at most 3 fds: the accepted public socket
+  and, behind the peer-credential relay, both ends of the relay to gRPC's
+  internal socket; the soak's owner-only socket has no relay), counted
   twice, because a sample may fall inside a restart or a pool cycle (old pool
   not yet closed, or new one not yet open). A leak of one fd per registration
   (each engine re-registers every few hundred operations) exceeds it within a
@@ -36,31 +37,31 @@ The checks, after warm-up (the first period; samples from then on are
   same fd count as before traffic started, ± 1 (whether gRPC keeps an idle
   wakeup fd open at that instant).
 - mappings: every steady sample within baseline ± ``maps_slack`` (default 24),
-  which covers what legitimately comes and goes: each of the ±2 threads below
-  brings a stack and its guard and may bring a glibc malloc arena (a heap and
-  its reserved tail), about 8 in all; glibc serves allocations of 128 KiB and
+  which covers what legitimately comes and goes: each thread gRPC core adds
+  for a while (below) brings a stack and its guard and may bring a glibc
+  malloc arena (a heap and its reserved tail), about 8 for two; glibc serves allocations of 128 KiB and
   more (a request's staging buffer: up to 14 blocks of 64 KiB) with their own
   mmap, one or two per request in flight (three engines: about 6); CPython's
   obmalloc arenas (1 MiB each) are mapped and unmapped as the heap breathes.
   A leak (a pool mapped per registration, a buffer kept per request) grows
   without bound and passes it within a period.
-- threads: every steady sample within baseline ± ``thread_slack`` =
-  2 x 2 + 2, from what the daemon's threads are (measured: a SIGUSR2 stack dump
-  and /proc/<pid>/status while connections, registrations and streams come and
-  go). A connection costs no thread (the peer-credential relay is one asyncio
-  thread for all of them; gRPC's core polls every connection on its own few
-  threads). gRPC's handler executor runs each open stream (an engine's HoldPool)
-  on a thread for the stream's whole life and each unary call on one while it
-  runs; it starts a thread only when none is idle and never ends one, so its
-  size is the high-water mark of streams + calls in flight, and only grows.
-  One engine accounts for 2 (its hold and its call), counted twice, because a
-  restart can overlap the old engine's hold (a SIGKILLed one lasts until the
-  daemon sees its connection drop) with the new one's; plus 2 for gRPC's core
-  threads, which it starts and ends by itself. A leak of one thread per
-  registration or per connection (hundreds per period) exceeds it within a
-  period. (It used to read ± 2 while every RegisterPool with a hold deadline
-  started a ``threading.Timer`` for 30 s, and the count followed the
-  registration rate; those expiries now share one thread.)
+- threads: exact, in every sample (warm-up too). The daemon names its own
+  threads for the kernel and starts every pool whole (``kvseal.server.threads``),
+  so ``/proc/<pid>/task/*/comm`` must show exactly what its configuration says
+  (:func:`expected_threads`): ``kvseal-rpc`` = gRPC handler threads (16 +
+  8 watchers + ``--max-holds``; each open stream, an engine's HoldPool, holds
+  one for its life, each unary call one while it runs), ``kvseal-seal`` =
+  ``--workers``, one ``kvseal-expiry`` (hold deadlines of registrations), one
+  ``kvseal-devcheck`` (the periodic device check), and two named as the
+  process: the main thread and gRPC's Python dispatcher. A connection costs no
+  thread. Any other name is gRPC core's (its timer, event-engine and lifeguard
+  threads): it adds an event-engine thread while all of its own are busy and
+  ends it after 20 s idle, so that count is checked at rest: once traffic has
+  stopped it must come back to what it was before traffic. (The count used to
+  move 20-28: the handler executor started threads on demand and kept them,
+  so it grew to the highest concurrency it had seen, plus gRPC core's own.)
+- restore latency: every restore call's latency (ok or not, the engine API's
+  too) is printed per period as p50/p99/max in ms.
 - 0 wrong bytes, 0 integrity failures (every sample), 0 unexpected errors (any
   status other than a raced BLOCK_NOT_PRESENT or a momentary
   CAPACITY_EXHAUSTED), traffic really ran (restores checked, evictions seen).
@@ -79,7 +80,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -87,13 +90,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError, tenant_digest
 from kvseal.client.shm import SHM_DIR, KVShape, SharedKVPool
+from kvseal.server.config import ServerConfig
 
 from tests.conftest import DaemonProc, start_daemon
 
@@ -111,8 +116,10 @@ ENGINE = Path(__file__).with_name("soak_engine.py")
 LAYOUTS = ("vllm_per_layer", "vllm_cross_layer", "sglang_per_layer")
 BLOCK = KVShape(num_pages=1, **GEOMETRY).block_bytes
 RSS_TOLERANCE = 0.05
-THREAD_SLACK = 2 * 2 + 2  # see the module doc ("threads")
 FD_REST_SLACK = 1
+WORKERS = 2  # the daemon's --workers (sealing threads)
+MAX_HOLDS = 8  # its --max-holds
+GRPC_REST_WAIT_S = 60.0  # gRPC core ends a thread it added after 20 s idle
 
 # ------------------------------------------------------------------ sampling
 
@@ -127,6 +134,98 @@ class Sample:
     maps: int | None
     stats: dict[str, int]
     engines: dict[str, Any]  # aggregated engine counters (see Totals.snapshot)
+    # The daemon's threads by kernel name (thread_census): kvseal's own and the
+    # main thread's name exactly; gRPC core's (its C threads) summed.
+    own_threads: dict[str, int] = field(default_factory=dict)
+    grpc_threads: int = 0
+
+
+# ------------------------------------------------------------------ threads
+
+MAIN = "<main>"  # the key for threads named as the process (see thread_census)
+
+
+def expected_threads(workers: int = WORKERS, max_holds: int = MAX_HOLDS) -> dict[str, int]:
+    """What the daemon's configuration says its own threads are, by kernel name
+    (``kvseal.server.threads``; every pool is started whole): the gRPC handler
+    pool (``--grpc-threads`` + watchers + ``--max-holds``, ServerConfig's
+    defaults but holds), the sealing threads (``--workers``), the hold-expiry
+    thread, the periodic device check, and two threads named as the process:
+    the main thread and gRPC's Python dispatcher (``grpc._server._serve``,
+    started by the main thread, whose name it inherits). The soak's daemon runs
+    the CPU backend on its owner-only socket (no relay thread) without metrics."""
+    defaults: dict[str, Any] = {f.name: f.default for f in fields(ServerConfig)}
+    rpc = int(defaults["grpc_threads"]) + int(defaults["max_watchers"]) + max_holds
+    return {
+        "kvseal-rpc": rpc,
+        "kvseal-seal": workers,
+        "kvseal-expiry": 1,
+        "kvseal-devcheck": 1,
+        MAIN: 2,
+    }
+
+
+def thread_census(pid: int) -> tuple[dict[str, int], int]:
+    """The daemon's threads by kernel name (``/proc/<pid>/task/*/comm``):
+    (kvseal's own, named ``kvseal-*``, plus those named as the process under
+    :data:`MAIN`; gRPC core's count, every other name: the C library's timer,
+    event-engine and lifeguard threads, which it starts and ends by itself).
+    A thread that ends while it is read is not counted."""
+    main = Path(f"/proc/{pid}/comm").read_text().strip()
+    own: Counter[str] = Counter()
+    grpc = 0
+    for comm in glob.glob(f"/proc/{pid}/task/*/comm"):
+        try:
+            name = Path(comm).read_text().strip()
+        except FileNotFoundError:
+            continue
+        if name == main:
+            own[MAIN] += 1
+        elif name.startswith("kvseal-"):
+            own[name] += 1
+        else:
+            grpc += 1
+    return dict(own), grpc
+
+
+# ------------------------------------------------------------------ restore latency
+
+
+class RestoreLatencies:
+    """Reads the engines' ``*.restores`` files (soak_engine: one line per
+    restore call as it ends) from where it left off: :meth:`take` returns the
+    latencies (ms) of the restore calls that ended since the last take."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._offsets: dict[str, int] = {}
+
+    def take(self) -> list[float]:
+        out: list[float] = []
+        for path in sorted(glob.glob(str(self.workdir / "*.restores"))):
+            with open(path) as f:
+                f.seek(self._offsets.get(path, 0))
+                while True:
+                    line = f.readline()
+                    if not line.endswith("\n"):  # none, or one being written
+                        break
+                    self._offsets[path] = f.tell()
+                    parts = line.split()
+                    if len(parts) >= 2:
+                        out.append(float(parts[1]))
+        return out
+
+
+def percentiles(ms: Sequence[float]) -> str:
+    """``p50/p99/max`` in ms (nearest rank), or ``-`` without restores."""
+    if not ms:
+        return "-"
+    v = sorted(ms)
+
+    def rank(q: float) -> float:
+        return v[max(0, math.ceil(len(v) * q) - 1)]
+
+    return f"{rank(0.50):.1f}/{rank(0.99):.1f}/{v[-1]:.1f}"
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -359,14 +458,31 @@ def steady_samples(samples: Sequence[Sample], warmup_s: float) -> list[Sample]:
     return [s for s in samples if s.t >= warmup_s]
 
 
+def threads_exact(samples: Sequence[Sample], expected: dict[str, int]) -> Check:
+    """Every sample's own threads (thread_census) are exactly ``expected``."""
+    name = "daemon's own threads exactly as configured"
+    if not samples:
+        return Check(name, False, "no samples")
+    want = ", ".join(f"{k} {v}" for k, v in expected.items())
+    off = [s for s in samples if s.own_threads != expected]
+    if off:
+        shown = "; ".join(f"t={s.t:.0f} s: {s.own_threads}" for s in off[:3])
+        return Check(
+            name, False, f"{len(off)} of {len(samples)} samples differ from {want}: {shown}"
+        )
+    return Check(name, True, f"{want} in all {len(samples)} samples")
+
+
 def evaluate_steady(
     samples: Sequence[Sample],
     warmup_s: float,
     fd_slack: int,
     maps_slack: int,
-    thread_slack: int = THREAD_SLACK,
+    expected: dict[str, int] | None = None,
 ) -> list[Check]:
-    """The checks over the samples taken while traffic ran (see the module doc)."""
+    """The checks over the samples taken while traffic ran (see the module doc);
+    the thread check covers every sample, warm-up included (the pools are whole
+    from the start)."""
     st = steady_samples(samples, warmup_s)
     checks = []
     if not st:
@@ -385,7 +501,7 @@ def evaluate_steady(
         )
     checks.append(flat("fd count flat", [s.fds for s in st], fd_slack, "/proc/<pid>/fd"))
     checks.append(flat("mapping count flat", [s.maps for s in st], maps_slack, "/proc/<pid>/maps"))
-    checks.append(flat("thread count flat", [s.threads for s in st], thread_slack, "threads"))
+    checks.append(threads_exact(samples, expected_threads() if expected is None else expected))
     integrity = max((s.stats["integrity_failures"] for s in samples), default=0)
     checks.append(Check("0 integrity failures", integrity == 0, f"{integrity} seen"))
     return checks
@@ -435,6 +551,25 @@ def wait_quiet(c: KVSealClient, timeout: float = 60.0) -> dict[str, int]:
         time.sleep(0.2)
 
 
+def grpc_core_at_rest(pid: int, before: int, peak: int) -> Check:
+    """gRPC core's own threads (thread_census) come back to the count they had
+    before traffic: it adds one while all of its event-engine threads are busy
+    (at most one a second) and ends each after 20 s idle, so the count during
+    traffic is gRPC's and only the count at rest is exact. Waits up to
+    GRPC_REST_WAIT_S for them to go."""
+    end = time.monotonic() + GRPC_REST_WAIT_S
+    while True:
+        _, now = thread_census(pid)
+        if now == before or time.monotonic() > end:
+            break
+        time.sleep(1.0)
+    return Check(
+        "gRPC core threads at rest as before traffic",
+        now == before,
+        f"before {before}, after {now} (at most {peak} during traffic)",
+    )
+
+
 def refill_tier(c: KVSealClient, slots: int) -> Check:
     """Register a fresh pool, offload ``slots`` new blocks (the whole tier) and
     restore them all byte-exact: fails if any slot was lost to a leak."""
@@ -472,13 +607,22 @@ def refill_tier(c: KVSealClient, slots: int) -> Check:
 
 
 HEADER = (
-    "| t (s) | ops | restores ok | expected errors | wrong (total) | unexpected (total) "
-    "| RSS MiB (period min-max) | anon MiB | fds | maps | threads | ready/pend/pin | used MiB "
-    "| evictions | integrity (total) | restarts (total) |"
+    "| t (s) | ops | restores ok | restore ms p50/p99/max | expected errors | wrong (total) "
+    "| unexpected (total) | RSS MiB (period min-max) | anon MiB | fds | maps "
+    "| threads (gRPC core) | ready/pend/pin | used MiB | evictions | integrity (total) "
+    "| restarts (total) |"
 )
 
 
-def row(s: Sample, period: Sequence[Sample], prev: Sample | None, restarts: int) -> str:
+def row(
+    s: Sample,
+    period: Sequence[Sample],
+    prev: Sample | None,
+    restarts: int,
+    restore_ms: Sequence[float] = (),
+) -> str:
+    """One table row: ``s`` the period's last sample, ``restore_ms`` the
+    latencies of every restore call that ended in the period."""
     e = summarize(s.engines)
     p = summarize(prev.engines) if prev else summarize({})
     st = s.stats
@@ -487,11 +631,13 @@ def row(s: Sample, period: Sequence[Sample], prev: Sample | None, restarts: int)
     evicted = st["evicted_blocks"] - (prev.stats["evicted_blocks"] if prev else 0)
     return (
         f"| {s.t:.0f} | {e['ops'] - p['ops']} | {e['restores_ok'] - p['restores_ok']} "
+        f"| {percentiles(restore_ms)} "
         f"| {e['expected_errors'] - p['expected_errors']} | {e['wrong']} "
         f"| {e['unexpected_errors']} "
         f"| {s.rss_kib / 1024:.1f} ({lo:.1f}-{hi:.1f}) | {s.rss_anon_kib / 1024:.1f} "
         f"| {s.fds if s.fds is not None else 'n/a'} | {s.maps if s.maps is not None else 'n/a'} "
-        f"| {s.threads} | {st['blocks_ready']}/{st['blocks_pending']}/{st['blocks_pinned']} "
+        f"| {s.threads} ({s.grpc_threads}) "
+        f"| {st['blocks_ready']}/{st['blocks_pending']}/{st['blocks_pinned']} "
         f"| {st['host_bytes_used'] / 2**20:.2f} | {evicted} | {st['integrity_failures']} "
         f"| {restarts} |"
     )
@@ -554,7 +700,9 @@ def run(args: argparse.Namespace) -> int:
         d = start_daemon(
             workdir / "daemon",
             "--workers",
-            "2",
+            str(WORKERS),
+            "--max-holds",
+            str(MAX_HOLDS),
             "--on-integrity-failure",
             "drop",
             host_bytes=str(slots * BLOCK),
@@ -564,6 +712,9 @@ def run(args: argparse.Namespace) -> int:
         daemon_stats(c)  # the sampler's connection exists before the rest baseline
         time.sleep(0.5)
         fds_rest0 = count_fds(pid)
+        _, grpc_rest0 = thread_census(pid)
+        latencies = RestoreLatencies(workdir)
+        restore_ms: list[float] = []
         engines = Engines(d.target, workdir, run_tag, args.engines, args.pause_ms, args.cycle_ops)
         engines.start_all()
         t0 = time.monotonic()
@@ -586,6 +737,7 @@ def run(args: argparse.Namespace) -> int:
             if d.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {d.proc.returncode}")
             ps = proc_status(pid)
+            own, grpc_core = thread_census(pid)
             s = Sample(
                 t,
                 ps["VmRSS"],
@@ -595,7 +747,10 @@ def run(args: argparse.Namespace) -> int:
                 count_maps(pid),
                 daemon_stats(c),
                 engines.totals(),
+                own,
+                grpc_core,
             )
+            restore_ms += latencies.take()
             samples.append(s)
             stuck = int(s.engines.get("stuck", 0))
             if stuck > stuck_seen:
@@ -614,7 +769,11 @@ def run(args: argparse.Namespace) -> int:
                 engines.restart_one()
                 restarted_this_period = True
             if t >= next_period - 1e-6 or t >= duration - 1e-6:
-                print(row(s, samples[period_start:], prev_row, engines.restarts), flush=True)
+                print(
+                    row(s, samples[period_start:], prev_row, engines.restarts, restore_ms),
+                    flush=True,
+                )
+                restore_ms = []
                 prev_row = s
                 period_start = len(samples)
                 next_period += period
@@ -648,6 +807,7 @@ def run(args: argparse.Namespace) -> int:
                 f"capacity {st['host_bytes_capacity']} B",
             )
         )
+        checks.append(grpc_core_at_rest(pid, grpc_rest0, max(s.grpc_threads for s in samples)))
         time.sleep(0.5)
         fds_rest1 = count_fds(pid)
         if fds_rest0 is None or fds_rest1 is None:
@@ -686,9 +846,9 @@ def run(args: argparse.Namespace) -> int:
         raise
     finally:
         if engines is not None:
-            for e in engines.live:
-                e.proc.kill()
-                e.proc.wait()
+            for ep in engines.live:
+                ep.proc.kill()
+                ep.proc.wait()
         if d is not None:
             d.stop()
             if not ok:

@@ -16,6 +16,9 @@ too. Every page a successful restore wrote is compared byte for byte.
 Counters go to ``--status`` as JSON (written atomically, about once a second,
 immediately after a wrong byte, and on exit), which the driver reads; the file
 is the only channel, so a SIGKILLed engine loses at most a second of counts.
+Every restore call's latency goes to ``<status>.restores`` as it ends, one
+line each (``end wall time, ms, outcome``: ``ok`` or ``CODE/REASON``), for the
+driver's per-period percentiles.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 STOP: list[bool] = []  # non-empty once SIGTERM/SIGINT arrived
 
@@ -72,6 +75,9 @@ EXPECTED = frozenset({"NOT_FOUND/BLOCK_NOT_PRESENT", "RESOURCE_EXHAUSTED/CAPACIT
 SLOW_S = 10.0  # a call this long is recorded (start, end, outcome) in ``slow``
 STUCK_S = 20.0  # a call in flight this long is reported (``stuck``): the driver dumps stacks
 MAX_RECORDS = 50
+# The calls whose latency is recorded (``<status>.restores``): every restore, the
+# engine API's included.
+RESTORE_CALLS = frozenset({"restore", "restore_wb", "restore_blind", "api restore"})
 
 
 def block_hash(family: int, branch: int, k: int) -> bytes:
@@ -170,6 +176,7 @@ class Engine:
         # watchdog thread; the status file is written under _status_lock.
         self.inflight: tuple[str, float, float] | None = None
         self._status_lock = threading.Lock()
+        self._latencies: TextIO | None = None  # <status>.restores, opened by run()
 
     # ---------------------------------------------------------------- slow calls
 
@@ -186,6 +193,9 @@ class Engine:
         finally:
             self.inflight = None
             took = time.monotonic() - mono
+            if name in RESTORE_CALLS and self._latencies is not None:
+                outcome_tag = "ok" if outcome == "ok" else outcome.split(":", 1)[0]
+                self._latencies.write(f"{time.time():.3f} {took * 1000:.3f} {outcome_tag}\n")
             if took > SLOW_S:
                 self.counts.slow.append(
                     {"call": name, "start": round(wall, 3), "end": round(time.time(), 3),
@@ -342,6 +352,9 @@ class Engine:
         self.counts.ok[op] += 1
 
     def run(self) -> None:
+        # Line-buffered: a line is in the file once its restore ended, so a
+        # SIGKILLed engine loses none.
+        self._latencies = open(self.args.status + ".restores", "a", buffering=1)  # noqa: SIM115
         threading.Thread(target=self.watchdog, name="soak-watchdog", daemon=True).start()
         self.open_pool()
         ops_in_pool = 0
@@ -360,6 +373,7 @@ class Engine:
         self.close_pool()
         self.client.close()
         self.write_status(force=True)
+        self._latencies.close()
 
 
 def main(argv: list[str] | None = None) -> int:
