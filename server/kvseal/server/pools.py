@@ -413,9 +413,10 @@ class Pool:
     owner_token: bytes = b""  # proves ownership of the name (see PoolRegistry.add)
     holds: int = 0  # open HoldPool streams: a held name is not taken over
     held_ever: bool = False  # a HoldPool was opened on it (see remove_if_never_held)
-    # Tenants this pool's requests named, oldest first (SealedCache.note_tenant):
-    # the tenants whose events its WatchEvents stream may carry.
-    tenants: dict[bytes, None] = field(default_factory=dict)
+    # Tenants this pool's requests named, first-named first, each with when a
+    # request last named it (time.monotonic; SealedCache.note_tenant): the
+    # tenants whose events its WatchEvents stream may carry.
+    tenants: dict[bytes, float] = field(default_factory=dict)
     # This pool's own requests, by ``Counters`` field name (SealedCache._count,
     # under its counter lock): what a Stats call scoped to the pool reports.
     counters: dict[str, int] = field(default_factory=dict)

@@ -220,6 +220,11 @@ _POOL_COUNTS = (
 )
 
 
+# How often idle tenants are forgotten (SealedCache.sweep_tenants), on the
+# expiry timer's thread.
+TENANT_SWEEP_S = 60.0
+
+
 class KVSealServicer(pb_grpc.KVSealServicer):
     def __init__(
         self,
@@ -236,6 +241,17 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         # kvseal.server.daemon.daemon.operator_check).
         self.is_operator = is_operator
         self.expiries = Deferred("kvseal-expiry")  # 15 bytes: the kernel's whole name
+        self.expiries.call_later(TENANT_SWEEP_S, self._sweep_tenants)
+
+    def _sweep_tenants(self) -> None:
+        """Forget idle tenants, then run again in TENANT_SWEEP_S (until the timer
+        closes with the daemon)."""
+        try:
+            n = self.cache.sweep_tenants()
+            if n:
+                log.info("forgot %d idle tenants of the pools' event scopes", n)
+        finally:
+            self.expiries.call_later(TENANT_SWEEP_S, self._sweep_tenants)
 
     @handler
     def RegisterPool(

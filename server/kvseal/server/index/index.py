@@ -157,6 +157,11 @@ class Index:
         with self._lock:
             return len(self._scopes.get((ns, tenant), ()))
 
+    def has_blocks(self, ns: bytes, tenant: bytes) -> bool:
+        """Whether the key scope holds any entry (any state). One dictionary read,
+        without the index lock: the answer may be stale by the time it is used."""
+        return (ns, tenant) in self._scopes
+
     def scope_usage(self, ns: bytes, tenants: Iterable[bytes]) -> tuple[int, int]:
         """Visible READY blocks and their plaintext bytes over ``tenants`` in
         ``ns``: O(len(tenants)), read without the index lock (each count is one
