@@ -55,11 +55,14 @@ The checks, after warm-up (the first period; samples from then on are
   ``kvseal-devcheck`` (the periodic device check), and two named as the
   process: the main thread and gRPC's Python dispatcher. A connection costs no
   thread. Any other name is gRPC core's (its timer, event-engine and lifeguard
-  threads): it adds an event-engine thread while all of its own are busy and
-  ends it after 20 s idle, so that count is checked at rest: once traffic has
-  stopped it must come back to what it was before traffic. (The count used to
-  move 20-28: the handler executor started threads on demand and kept them,
-  so it grew to the highest concurrency it had seen, plus gRPC core's own.)
+  threads, the number in brackets in the table): an elastic pool of the C
+  library's, which adds an event-engine thread while all of its threads are
+  busy (at most one a second, so more under CPU starvation) and ends one only
+  after it ran nothing for 20 s (which the server's once-a-second poll can put
+  off indefinitely): reported (before, peak, after), not checked, since no
+  state of the daemon's decides it. (The total used to move 20-28: the
+  handler executor started threads on demand and kept them, so it grew to
+  the highest concurrency it had seen; the rest was gRPC core's pool.)
 - restore latency: every restore call's latency (ok or not, the engine API's
   too) is printed per period as p50/p99/max in ms.
 - 0 wrong bytes, 0 integrity failures (every sample), 0 unexpected errors (any
@@ -119,7 +122,6 @@ RSS_TOLERANCE = 0.05
 FD_REST_SLACK = 1
 WORKERS = 2  # the daemon's --workers (sealing threads)
 MAX_HOLDS = 8  # its --max-holds
-GRPC_REST_WAIT_S = 60.0  # gRPC core ends a thread it added after 20 s idle
 
 # ------------------------------------------------------------------ sampling
 
@@ -551,22 +553,17 @@ def wait_quiet(c: KVSealClient, timeout: float = 60.0) -> dict[str, int]:
         time.sleep(0.2)
 
 
-def grpc_core_at_rest(pid: int, before: int, peak: int) -> Check:
-    """gRPC core's own threads (thread_census) come back to the count they had
-    before traffic: it adds one while all of its event-engine threads are busy
-    (at most one a second) and ends each after 20 s idle, so the count during
-    traffic is gRPC's and only the count at rest is exact. Waits up to
-    GRPC_REST_WAIT_S for them to go."""
-    end = time.monotonic() + GRPC_REST_WAIT_S
-    while True:
-        _, now = thread_census(pid)
-        if now == before or time.monotonic() > end:
-            break
-        time.sleep(1.0)
-    return Check(
-        "gRPC core threads at rest as before traffic",
-        now == before,
-        f"before {before}, after {now} (at most {peak} during traffic)",
+def grpc_core_note(pid: int, before: int, samples: Sequence[Sample]) -> str:
+    """One line on gRPC core's own threads (thread_census), which are gRPC's
+    elastic event-engine pool, not kvseal's: it adds a thread while all of its
+    threads are busy (at most one a second) and ends one only after it ran
+    nothing for 20 s, which the server's once-a-second completion-queue poll
+    can put off indefinitely. So their count is reported, not checked."""
+    _, now = thread_census(pid)
+    peak = max((s.grpc_threads for s in samples), default=before)
+    return (
+        f"gRPC core threads (its own elastic pool, not checked): {before} before traffic, "
+        f"at most {peak} during it, {now} after"
     )
 
 
@@ -807,7 +804,7 @@ def run(args: argparse.Namespace) -> int:
                 f"capacity {st['host_bytes_capacity']} B",
             )
         )
-        checks.append(grpc_core_at_rest(pid, grpc_rest0, max(s.grpc_threads for s in samples)))
+        grpc_note = grpc_core_note(pid, grpc_rest0, samples)
         time.sleep(0.5)
         fds_rest1 = count_fds(pid)
         if fds_rest0 is None or fds_rest1 is None:
@@ -835,6 +832,8 @@ def run(args: argparse.Namespace) -> int:
         c.close()
         rc = d.stop()
         checks.append(Check("daemon exits 0 on SIGTERM", rc == 0, f"exit status {rc}"))
+        print()
+        print(grpc_note)
         failed = print_checks(checks)
         print_slow(totals)
         ok = failed == 0
