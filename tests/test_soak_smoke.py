@@ -187,6 +187,14 @@ def test_wrong_bytes_unexpected_errors_and_idle_traffic_fail() -> None:
         "errors_by_op": {"lookup DEADLINE_EXCEEDED/-": 1},
     }
     assert not traffic(odd)["0 unexpected errors"]
+    assert not traffic(odd)["0 failures without the daemon's verdict"]
+    verdict = {
+        **good,
+        "errors": {"DEADLINE_EXCEEDED/DEADLINE_PASSED": 1},
+        "errors_by_op": {"restore DEADLINE_EXCEEDED/DEADLINE_PASSED": 1},
+    }
+    assert traffic(verdict)["0 failures without the daemon's verdict"]
+    assert not traffic(verdict)["0 unexpected errors"]
     idle = {**good, "restores_verified": 0, "restored_blocks_checked": 0}
     assert not traffic(idle)["traffic ran under eviction pressure"]
     assert not traffic(good, ["engine 1 exited with 1"])["engines exited cleanly"]

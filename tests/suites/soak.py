@@ -67,7 +67,9 @@ The checks, after warm-up (the first period; samples from then on are
   too) is printed per period as p50/p99/max in ms.
 - 0 wrong bytes, 0 integrity failures (every sample), 0 unexpected errors (any
   status other than a raced BLOCK_NOT_PRESENT or a momentary
-  CAPACITY_EXHAUSTED), traffic really ran (restores checked, evictions seen).
+  CAPACITY_EXHAUSTED), 0 failures without the daemon's verdict (a status with
+  no ``kvseal-error`` reason: a call that ran to the client's own deadline or
+  lost its connection), traffic really ran (restores checked, evictions seen).
 - after traffic stops: no pending or pinned block, no pool, no hold; used
   bytes equal ready blocks x block size (no lost slot), and a fresh pool can
   fill the whole tier and restore every block byte-exact.
@@ -516,7 +518,17 @@ def evaluate_traffic(totals: dict[str, Any], evicted: int, bad_exits: Sequence[s
     by_op: dict[str, int] = totals.get("errors_by_op", {})
     unexpected_by_op = {k: v for k, v in by_op.items() if k.split(" ", 1)[-1] not in EXPECTED}
     examples = totals.get("wrong_examples", [])[:3]
+    # A failure without the daemon's reason (``CODE/-``): the call ran to the
+    # client's own deadline or lost its connection; the daemon never said.
+    no_verdict = {k: v for k, v in by_op.items() if k.endswith("/-")}
     return [
+        Check(
+            "0 failures without the daemon's verdict",
+            not no_verdict,
+            json.dumps(no_verdict, sort_keys=True)
+            if no_verdict
+            else "every failure had its reason",
+        ),
         Check(
             "0 wrong bytes",
             s["wrong"] == 0,
