@@ -67,6 +67,7 @@ from kvseal.client import (
 )
 from kvseal.client.shm import KVShape, SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
+from kvseal.vllm.mirror import observer_geometry  # vLLM-free: only kvseal.client
 
 MiB = 1024 * 1024
 SLOT_ALIGN = 256  # kvseal.server.hostregion.SLOT_ALIGN (the script does not import server code)
@@ -505,21 +506,8 @@ def main(argv: list[str] | None = None) -> int:
             # The peer holds a pool of its own in the victim's namespace (an
             # observer pool: same model and block geometry, no memory), and asks
             # both with it and without a pool id (it is no --operator-uid).
-            g = pool.geometry()
-            own = peer.register_pool(
-                f"attacker-{os.getpid()}",
-                FP_QWEN,
-                pb.PoolGeometry(
-                    tokens_per_page=g.tokens_per_page,
-                    num_layers=g.num_layers,
-                    num_kv_heads=g.num_kv_heads,
-                    head_dim=g.head_dim,
-                    dtype=g.dtype,
-                    layout=g.layout,
-                    block_bytes=bb,
-                ),
-                observer=True,
-            ).pool_id
+            obs = observer_geometry(pool.geometry())
+            own = peer.register_pool(f"attacker-{os.getpid()}", FP_QWEN, obs, observer=True).pool_id
             views = {"no pool id": "", "its own pool": own}
             s0 = {k: peer.stats(v) for k, v in views.items()}
             c.offload(h.pool_id, tv, chain, list(range(pb_blocks)), timeout=BIG_TIMEOUT)

@@ -206,7 +206,7 @@ def _transfer_deadline(
     )
 
 
-# The request counts a Stats call scoped to a pool reports (its own requests).
+# The request counts of a Stats reply (a pool's own requests, or the daemon's).
 _POOL_COUNTS = (
     "lookups",
     "lookup_hit_blocks",
@@ -369,6 +369,8 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         if not self.is_operator(context):
             return facts
         c = self.cache.counters
+        for k in _POOL_COUNTS:  # the same request counts, daemon-wide
+            setattr(facts, k, getattr(c, k))
         facts.MergeFrom(
             pb.StatsReply(
                 scope=pb.STATS_SCOPE_DAEMON,
@@ -378,15 +380,6 @@ class KVSealServicer(pb_grpc.KVSealServicer):
                 blocks_pinned=ix.pinned,
                 pools=len(self.cache.pools),
                 pool_holds=self.cache.open_holds,
-                lookups=c.lookups,
-                lookup_hit_blocks=c.lookup_hit_blocks,
-                offloaded_blocks=c.offloaded_blocks,
-                offloaded_bytes=c.offloaded_bytes,
-                restored_blocks=c.restored_blocks,
-                restored_bytes=c.restored_bytes,
-                evicted_blocks=c.evicted_blocks,
-                dropped_blocks=c.dropped_blocks,
-                integrity_failures=c.integrity_failures,
                 key_epoch=sealer.current_epoch,
                 seals_under_current_key=sealer.seals_under_current_key,
             )
