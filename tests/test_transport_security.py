@@ -51,7 +51,11 @@ def test_relayed_socket_keeps_grpc_in_a_private_directory(
 
 
 def test_peer_uid_not_allowed_is_refused(daemon_factory: Callable[..., DaemonProc]) -> None:
-    d = daemon_factory("--allow-uid", str(os.getuid() + 4242), wait=False)
+    # Not an operator either (operators are admitted; tests/__init__.py makes
+    # this uid one by default).
+    d = daemon_factory(
+        "--allow-uid", str(os.getuid() + 4242), wait=False, env={"KVSEAL_OPERATOR_UIDS": ""}
+    )
     for _ in range(200):
         if os.path.exists(d.socket):
             break

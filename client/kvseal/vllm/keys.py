@@ -29,6 +29,8 @@ import secrets
 import struct
 from collections.abc import Iterable
 
+from kvseal.v1 import kvseal_pb2 as pb
+
 HASH_BYTES = 32
 OFFLOAD_GROUP_BYTES = 4  # vLLM's OffloadKey suffix: the KV-group index, big endian
 _NAME_OK = re.compile(r"[^A-Za-z0-9._:-]")
@@ -102,3 +104,23 @@ def pool_name(engine_id: str, dp_index: int, rank: int, role: str) -> str:
     """
     raw = f"vllm.{engine_id}.dp{dp_index}.r{rank}.{role}.{os.getpid()}.{secrets.token_hex(3)}"
     return _NAME_OK.sub("_", raw)[-128:]
+
+
+def observer_geometry(geometry: pb.PoolGeometry) -> pb.PoolGeometry:
+    """The observer-pool geometry of a pool geometry (buffers, if any, ignored):
+    the same block geometry (tokens_per_page, layers, heads, head_dim, dtype,
+    layout) and ``block_bytes`` (the segments' sum, or ``geometry.block_bytes``
+    when it has no segments), no pages, buffers or segments. The daemon derives
+    the namespace from exactly these fields and the fingerprint, so the observer
+    shares the namespace of every pool with this block geometry."""
+    block_bytes = sum(s.bytes for s in geometry.segments) or geometry.block_bytes
+    return pb.PoolGeometry(
+        num_pages=0,
+        tokens_per_page=geometry.tokens_per_page,
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        dtype=geometry.dtype,
+        layout=geometry.layout,
+        block_bytes=block_bytes,
+    )

@@ -7,45 +7,32 @@ the set of READY blocks (tenant, 32-byte hash) of this engine's namespace on
 that rank's daemon, fed by the daemon's ``WatchEvents`` stream in a background
 thread. The scheduler thread only reads a Python set.
 
-How the mirror stays honest (docs/vllm.md, "Many tenants"):
+How the mirror stays honest (each path in docs/vllm.md, "Many tenants"):
 
-- The namespace is learnt from the daemon, not recomputed: the mirror
-  registers an *observer pool* (``RegisterPoolRequest.observer``: no memory,
-  on any backend) with the same model fingerprint and block geometry as the
-  worker's KV pool, so the daemon gives it the same namespace, and keeps it
-  held for the life of the process. Its pool id scopes the event stream and
-  the mirror's lookups.
-- The daemon streams a tenant's events to the observer pool only once a
-  request on that pool named the tenant, and a brand-new tenant's first store
-  may well come first. So the mirror does not depend on the stream for this
-  engine's own blocks: the manager reports every store job that ended
-  (:meth:`DaemonMirror.stored`) and such a block is a hit at once; a
-  background ``Lookup`` of the blocks the stream has not announced yet (which
-  also names the tenant, before it answers) then keeps or drops each one (the
-  worker reports a dropped store as done too: vLLM 0.32 accepts no failed job).
-  The stream adds the blocks others stored and removes evicted ones.
-- Every answer of a ``Lookup`` (resync, verification, discovery) is applied
-  only to the blocks the mirror heard nothing newer of while it was in flight
-  (an event, a store, a forget): a later fact always wins over an earlier
-  answer, whatever order they arrive in.
-- It subscribes first, then resynchronises, so no event falls in between.
-- A watcher that fell behind is disconnected by the daemon (RESOURCE_EXHAUSTED):
-  the mirror resubscribes and re-checks every block it believes READY with
-  batched ``Lookup`` calls from its own thread, dropping the rest.
-- A daemon that went away (UNAVAILABLE) takes the mirror's blocks out of the
-  lookups (they are kept aside); the same daemon back gives them back after a
-  re-check, a restarted one (new ``server_instance``, a new key and an empty
-  cache) drops them.
-- The mirror may still be briefly wrong (an eviction not yet announced): then
-  the worker's ``Restore`` fails, nothing was written to the KV pool (the
-  daemon's all-or-nothing restore), vLLM recomputes the blocks, and the
-  manager has the mirror forget them.
+- The namespace is learnt from the daemon: the mirror registers and holds an
+  *observer pool* (``RegisterPoolRequest.observer``: no memory) with the
+  worker pool's fingerprint and block geometry; its pool id scopes the event
+  stream and the mirror's lookups.
+- The daemon streams a tenant's events to that pool only once a request on it
+  named the tenant, which a new tenant's first store may precede. So this
+  engine's own stores do not wait for the stream: the manager reports every
+  store job that ended (:meth:`DaemonMirror.stored`), such a block is a hit at
+  once, and a background ``Lookup`` (which names the tenant before it
+  answers) keeps or drops it. The stream adds others' blocks and removes
+  evicted ones.
+- A ``Lookup``'s answer (resync, verification, discovery) is applied only to
+  blocks the mirror heard nothing newer of while it was in flight.
+- It subscribes, then resynchronises (also after falling behind); a daemon
+  gone sets the blocks aside (the same daemon back gives them back after a
+  re-check, a restarted one drops them).
+- Still briefly wrong (an eviction not yet announced), a restore fails with
+  nothing written, vLLM recomputes, and the manager has the mirror forget the
+  blocks.
 
-Per-tenant state is bounded: a tenant with no block in the mirror, nothing to
-verify and no request for ``tenant_idle_s`` is forgotten (at most
-:data:`MAX_TENANTS` are remembered; beyond, the least recently used idle ones
-go first); its next request names it again, and its stores are verified as above, so
-forgetting it loses no hit.
+Per-tenant state is bounded: a tenant with no block, nothing to verify and no
+request for ``tenant_idle_s`` is forgotten (at most :data:`MAX_TENANTS`; the
+least recently used idle ones first); its next request names it again, and
+its stores are verified as above, so forgetting loses no hit.
 """
 
 from __future__ import annotations
@@ -61,11 +48,14 @@ from typing import Any
 import grpc
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError, PoolHold
 from kvseal.v1 import kvseal_pb2 as pb
+from kvseal.vllm.discovery import Discovery
+from kvseal.vllm.keys import observer_geometry
+
+__all__ = ["DaemonMirror", "observer_geometry"]  # the geometry lives in keys
 
 log = logging.getLogger("kvseal.vllm")
 
 RESYNC_BATCH = 1024  # hashes per resynchronising Lookup (below the daemon's batch limit)
-MAX_ABSENT = 1 << 20  # known-absent blocks remembered for discovery before starting over
 # Recent removals remembered (at most this many, none older than TOMBSTONE_S,
 # well above a store job's bound): a store reported done after its block was
 # announced removed must not bring it back unverified.
@@ -85,30 +75,7 @@ Key = tuple[bytes, bytes]  # (tenant, hash)
 # (touching a block that is absent changes nothing; a Touch, unlike a Lookup,
 # is not counted as a lookup by the daemon's statistics).
 _INTRO_HASH = bytes(32)
-_WAKE: tuple[bytes, list[bytes]] = (
-    b"",
-    [],
-)  # a no-op item: wakes the background thread (work to verify)
-
-
-def observer_geometry(geometry: pb.PoolGeometry) -> pb.PoolGeometry:
-    """The observer-pool geometry of a pool geometry (buffers, if any, ignored):
-    the same block geometry (tokens_per_page, layers, heads, head_dim, dtype,
-    layout) and ``block_bytes`` (the segments' sum, or ``geometry.block_bytes``
-    when it has no segments), no pages, buffers or segments. The daemon derives
-    the namespace from exactly these fields and the fingerprint, so the observer
-    shares the namespace of every pool with this block geometry."""
-    block_bytes = sum(s.bytes for s in geometry.segments) or geometry.block_bytes
-    return pb.PoolGeometry(
-        num_pages=0,
-        tokens_per_page=geometry.tokens_per_page,
-        num_layers=geometry.num_layers,
-        num_kv_heads=geometry.num_kv_heads,
-        head_dim=geometry.head_dim,
-        dtype=geometry.dtype,
-        layout=geometry.layout,
-        block_bytes=block_bytes,
-    )
+_WAKE: tuple[bytes, list[bytes]] = (b"", [])  # a no-op item: wakes the background thread
 
 
 class DaemonMirror:
@@ -193,10 +160,7 @@ class DaemonMirror:
         self.integrity_policy = ""
         self.synced = threading.Event()  # set while the stream is live and resynced
         # Discovery (opt-in): blocks the daemon held before this mirror subscribed.
-        self._absent: set[Key] = set()  # checked absent (or failed)
-        self._asked: set[Key] = set()  # queued or in flight
-        self._discover_q: queue.SimpleQueue[Key] = queue.SimpleQueue()
-        self._discoverer: threading.Thread | None = None
+        self.discovery = Discovery(self)
         # Tenants this mirror names on its observer pool -> when last used (LRU
         # order: the least recent first). The scheduler thread adds; the
         # background thread forgets idle ones (_sweep).
@@ -291,26 +255,11 @@ class DaemonMirror:
             self._intro_q.put(_WAKE)
 
     def known_absent(self, tenant: bytes, h: bytes) -> bool:
-        return (tenant, h) in self._absent
+        return self.discovery.known_absent(tenant, h)
 
     def discover(self, tenant: bytes, h: bytes) -> bool:
-        """Ask the daemon, in the background, whether it holds a block this mirror
-        has no word of (stored before it subscribed, e.g. by this engine's previous
-        incarnation). False when the mirror cannot ask now (not subscribed): treat
-        the block as a miss. Each block is asked about once; the answer (or a
-        failed call, taken as absent) lands in the mirror."""
-        if not self.synced.is_set():
-            return False
-        k = (tenant, h)
-        if k not in self._asked:
-            if self._discoverer is None:
-                self._discoverer = threading.Thread(
-                    target=self._discover_run, name=f"kvseal-discover-{self.rank}", daemon=True
-                )
-                self._discoverer.start()
-            self._asked.add(k)
-            self._discover_q.put(k)
-        return True
+        """See :meth:`kvseal.vllm.discovery.Discovery.discover`."""
+        return self.discovery.discover(tenant, h)
 
     def forget(self, tenant: bytes, hashes: Iterable[bytes]) -> None:
         """Drop blocks the daemon could not restore (see the manager's load_failed),
@@ -354,7 +303,7 @@ class DaemonMirror:
                 self._removed_at.pop(k, None)
                 self._removed_at[k] = now
                 if self._discovery:
-                    self._absent.add(k)
+                    self.discovery.absent.add(k)
         if not s:
             del self._ready[tenant]
         rm = self._removed_at  # oldest first (a removal re-inserts its key)
@@ -411,13 +360,10 @@ class DaemonMirror:
             for h in lost:
                 self._on_change(self.rank, tenant, h, False)
 
-    def _forget_discovery(self) -> None:
-        self._absent = set()  # replaced, not cleared: readers need no lock
-
     def _suspend(self) -> None:
         """The daemon went away: its blocks leave the lookups (a restore could not
         reach it) and are kept aside for :meth:`_register`."""
-        self._forget_discovery()
+        self.discovery.forget_all()
         with self._update_lock:
             with self._lock:
                 old, self._ready = self._ready, {}
@@ -431,7 +377,7 @@ class DaemonMirror:
         """A restarted daemon (new key, empty cache): nothing it was said to hold
         is there. Blocks still to verify stay queued (stores that may have ended
         on the new daemon); the verification decides."""
-        self._forget_discovery()
+        self.discovery.forget_all()
         with self._update_lock:
             with self._lock:
                 old, self._ready = self._ready, {}
@@ -626,7 +572,7 @@ class DaemonMirror:
         """Keep only the blocks the daemon still reports READY (each Lookup also
         names its tenant on the observer pool, before it answers)."""
         assert self.pool_id is not None
-        self._forget_discovery()  # blocks stored during the gap may be known again
+        self.discovery.forget_all()  # blocks stored during the gap may be known again
         with self._lock:
             snapshot = {t: list(s) for t, s in self._ready.items()}
         for tenant, hashes in snapshot.items():
@@ -684,43 +630,6 @@ class DaemonMirror:
                 self._suspend()
                 self.pool_id = None
             self._stop.wait(self._retry_s)
-
-    def _discover_run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                first = self._discover_q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            batch = [first]
-            while len(batch) < RESYNC_BATCH:
-                try:
-                    batch.append(self._discover_q.get_nowait())
-                except queue.Empty:
-                    break
-            by_tenant: dict[bytes, list[bytes]] = {}
-            for tenant, h in batch:
-                by_tenant.setdefault(tenant, []).append(h)
-            for tenant, hashes in by_tenant.items():
-                ready: list[bool] = []
-                pool_id = self.pool_id
-                watch = self._watch_begin()
-                try:
-                    if pool_id is not None:
-                        states = self._client.lookup(pool_id, tenant, hashes).states
-                        ready = [st == pb.BLOCK_READY for st in states]
-                except KVSealRpcError as e:
-                    log.info("kvseal mirror %d: discovery lookup failed: %s", self.rank, e)
-                finally:
-                    self._watch_end(watch)
-                if ready:  # only adds: a discovered block, unless something newer came
-                    self._answer(tenant, hashes, ready, watch, drop=False)
-                got = {h for h, r in zip(hashes, ready, strict=False) if r}
-                for h in hashes:
-                    if h not in got:
-                        self._absent.add((tenant, h))  # absent, or unknown: a miss
-                    self._asked.discard((tenant, h))
-            if len(self._absent) > MAX_ABSENT:
-                self._forget_discovery()
 
     def close(self) -> None:
         self._stop.set()

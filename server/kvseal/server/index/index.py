@@ -43,7 +43,6 @@ Cost: see ``leaves`` (which leaves to evict, in O(victims) per plan) and
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 
@@ -60,6 +59,7 @@ from kvseal.server.index.entry import (
     StorePlan,
 )
 from kvseal.server.index.extents import overlapping, subtract
+from kvseal.server.index.invariants import check_invariants
 from kvseal.server.index.leaves import UNTRACKED, EvictableLeaves
 from kvseal.server.sealing import SealRecord
 
@@ -589,67 +589,7 @@ class Index:
                 self._on_free(e)
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the index is inconsistent (tests only)."""
+        """Raise AssertionError if the index is inconsistent (tests only; see
+        :mod:`kvseal.server.index.invariants`)."""
         with self._lock:
-            live = list(self._map.values())
-            for k, e in self._map.items():
-                if e.key != k or e.removed:
-                    raise AssertionError("map entry mismatch")
-                if e.parent is not None and (e.parent.removed or e not in e.parent.children):
-                    raise AssertionError("orphaned descendant")
-                if e.visible != (k in self._ready):
-                    raise AssertionError("_ready holds exactly the visible READY entries")
-                if e.doomed_by is not None and (
-                    e.doomed_by.settled or e.pins or e.state is not State.READY
-                ):
-                    raise AssertionError("doomed entry is pinned, not READY, or settled")
-            for k, e in self._ready.items():
-                if self._map.get(k) is not e:
-                    raise AssertionError("_ready entry not in the map")
-            usage: dict[tuple[bytes, bytes], list[int]] = {}
-            for e in self._ready.values():
-                u = usage.setdefault(e.key[:2], [0, 0])
-                u[0] += 1
-                u[1] += e.size
-            if usage != self._scope_ready:
-                raise AssertionError("per-scope READY usage")
-            if sum(len(d) for d in self._scopes.values()) != len(self._map) or any(
-                not d or self._map.get((*k, h)) is not e
-                for k, d in self._scopes.items()
-                for h, e in d.items()
-            ):
-                raise AssertionError("_scopes holds exactly the map's entries, by scope")
-            if self._pending != sum(1 for e in live if e.state is State.PENDING):
-                raise AssertionError("pending count")
-            if self._pinned != sum(1 for e in live if e.pins):
-                raise AssertionError("pinned count")
-            stamps = [e.last_use for e in self._ready.values()]
-            if len(set(stamps)) != len(stamps) or any(s <= 0 for s in stamps):
-                raise AssertionError("recency stamps are not distinct")
-            # Every evictable leaf is tracked exactly once, and nothing else is.
-            self._leaves.check(live, self._evictable)
-            # Slots: visible/pending holders, new entries of open plans (even if
-            # dropped meanwhile: still being written) and holds never overlap;
-            # a doomed victim's bytes are covered by its plan's slots and holds.
-            holders: dict[int, Extent] = {
-                id(e): e.extent for e in live if e.doomed_by is None and e.extent.size
-            }
-            spans = []
-            for ev in self._evictions:
-                for e in ev.new:
-                    if e.extent.size:
-                        holders[id(e)] = e.extent
-                spans.extend(ev.holds)
-                cover = [e.extent for e in ev.new if e.extent.size] + list(ev.holds)
-                for v in ev.victims:
-                    if v.doomed_by is not ev or subtract([v.extent], cover):
-                        raise AssertionError("doomed victim's bytes not held by its plan")
-            spans.extend(holders.values())
-            if sum(x.size for x in spans) > self._alloc.used:
-                raise AssertionError("allocator accounting")
-            if self._alloc.used > self._alloc.capacity:
-                raise AssertionError("allocator accounting")
-            ordered = sorted((x.offset, x.size) for x in spans)
-            for (o1, s1), (o2, _) in itertools.pairwise(ordered):
-                if o1 + s1 > o2:
-                    raise AssertionError("overlapping slots")
+            check_invariants(self)
