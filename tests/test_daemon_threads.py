@@ -38,7 +38,6 @@ def test_threads_are_the_configured_ones_under_concurrent_calls_and_streams(
     c = KVSealClient(ClientConfig(target=d.target, tenant_key=None))
     try:
         assert thread_census(pid)[0] == want
-        tenant = tenant_digest("threads")
         handles = [c.register_pool(f"thr{i}", b"m", p.geometry()) for i, p in enumerate(pools)]
         holds = [c.hold_pool(h.pool_id) for h in handles]
         watches = [c.watch_events(handles[0].pool_id), c.watch_events(handles[1].pool_id)]
@@ -52,12 +51,15 @@ def test_threads_are_the_configured_ones_under_concurrent_calls_and_streams(
 
         def caller(i: int) -> None:
             h = handles[i % 3]
+            # A tenant per caller: two callers storing the same blocks at once would
+            # race (one's restore can find the other's store still in progress).
+            mine = tenant_digest(f"threads-{i}")
             try:
                 go.wait(30)
                 for _ in range(15):
-                    c.offload(h.pool_id, tenant, hashes, list(range(8)))
-                    c.lookup(h.pool_id, tenant, hashes)
-                    c.restore(h.pool_id, tenant, hashes, list(range(8, 16)))
+                    c.offload(h.pool_id, mine, hashes, list(range(8)))
+                    c.lookup(h.pool_id, mine, hashes)
+                    c.restore(h.pool_id, mine, hashes, list(range(8, 16)))
                     seen.append(thread_census(pid)[0])
             except BaseException as e:
                 errors.append(e)
