@@ -312,7 +312,7 @@ class KVSealOffloadingManager(OffloadingManager):
         for m in self.mirrors:
             if m.contains(tenant, h):
                 continue
-            if m.known_absent(tenant, h) or not m.discover(tenant, h):
+            if m.discovery.known_absent(tenant, h) or not m.discovery.discover(tenant, h):
                 return LookupResult.MISS
             retry = True
         return LookupResult.RETRY if retry else LookupResult.MISS

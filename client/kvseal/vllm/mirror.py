@@ -254,13 +254,6 @@ class DaemonMirror:
         if todo is not None:
             self._intro_q.put(_WAKE)
 
-    def known_absent(self, tenant: bytes, h: bytes) -> bool:
-        return self.discovery.known_absent(tenant, h)
-
-    def discover(self, tenant: bytes, h: bytes) -> bool:
-        """See :meth:`kvseal.vllm.discovery.Discovery.discover`."""
-        return self.discovery.discover(tenant, h)
-
     def forget(self, tenant: bytes, hashes: Iterable[bytes]) -> None:
         """Drop blocks the daemon could not restore (see the manager's load_failed),
         also from the blocks to verify: they come back only if the daemon

@@ -560,7 +560,7 @@ class Index:
             if not x.removed:
                 self._forget(x)
             x.removed = True
-            if x.key in self._ready and self._ready[x.key] is x:
+            if self._ready.get(x.key) is x:
                 self._hide(x)
             children = list(x.children)
             x.children.clear()
