@@ -15,8 +15,18 @@ BIN = Path(sys.executable).parent
 @pytest.mark.parametrize(
     "cmd",
     [
-        ["ruff", "check", "client", "server", "tests", "bench", "scripts"],
-        ["ruff", "format", "--check", "client", "server", "tests", "bench", "scripts"],
+        ["ruff", "check", "client", "server", "tests", "tests_sglang", "bench", "scripts"],
+        [
+            "ruff",
+            "format",
+            "--check",
+            "client",
+            "server",
+            "tests",
+            "tests_sglang",
+            "bench",
+            "scripts",
+        ],
         ["mypy"],
     ],
     ids=["ruff-check", "ruff-format", "mypy"],

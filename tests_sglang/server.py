@@ -94,9 +94,7 @@ class Server:
         self.port = free_port()
         env = dict(os.environ)
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(STUB), env.get("PYTHONPATH", "")) if p
-        )
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUB), env.get("PYTHONPATH", "")) if p)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
                 self.args(), stdout=logf, stderr=subprocess.STDOUT, env=env,
@@ -122,7 +120,9 @@ class Server:
     def log(self) -> str:
         text = self.log_path.read_text(errors="replace")
         # The server_args line is kilobytes long: keep the lines around it.
-        lines = [ln for ln in text.splitlines() if "server_args=" not in ln and "Ignore import" not in ln]
+        lines = [
+            ln for ln in text.splitlines() if "server_args=" not in ln and "Ignore import" not in ln
+        ]
         return "\n".join(lines[-60:])
 
     def generate(
@@ -142,9 +142,18 @@ class Server:
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 d = json.loads(r.read())
-                return {"ids": d["output_ids"], "cached": d["meta_info"]["cached_tokens"], "status": r.status}
+                return {
+                    "ids": d["output_ids"],
+                    "cached": d["meta_info"]["cached_tokens"],
+                    "status": r.status,
+                }
         except urllib.error.HTTPError as e:
-            return {"ids": [], "cached": 0, "status": e.code, "error": e.read().decode(errors="replace")}
+            return {
+                "ids": [],
+                "cached": 0,
+                "status": e.code,
+                "error": e.read().decode(errors="replace"),
+            }
 
     def flush(self) -> None:
         """Empty SGLang's own prefix cache (``/flush_cache``; retried while

@@ -7,17 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from kvseal.sglang import keys
 from kvseal.sglang.layout import PageCopier, geometry_of
 
 
-def _pool(hnd: bool, layers: int = 3, pages: int = 6, ps: int = 4, heads: int = 2, dim: int = 8) -> SimpleNamespace:
+def _pool(
+    hnd: bool, layers: int = 3, pages: int = 6, ps: int = 4, heads: int = 2, dim: int = 8
+) -> SimpleNamespace:
     g = torch.Generator().manual_seed(5)
-    if hnd:
-        shape = (pages, heads, ps, dim)
-    else:
-        shape = (pages * ps, heads, dim)
+    shape = (pages, heads, ps, dim) if hnd else (pages * ps, heads, dim)
     k = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(layers)]
     v = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(layers)]
     return SimpleNamespace(k_buffer=k, v_buffer=v, use_hnd=hnd)
@@ -45,7 +43,10 @@ def test_gather_then_scatter_moves_exactly_the_pages(hnd: bool) -> None:
     out = torch.tensor([p * ps + j for p in (0, 5) for j in range(ps)])  # into pages 0 and 5
     PageCopier(dst.k_buffer, dst.v_buffer, g).scatter(staging, slots, out)
     for layer in range(3):
-        for a, b in ((src.k_buffer[layer], dst.k_buffer[layer]), (src.v_buffer[layer], dst.v_buffer[layer])):
+        for a, b in (
+            (src.k_buffer[layer], dst.k_buffer[layer]),
+            (src.v_buffer[layer], dst.v_buffer[layer]),
+        ):
             if hnd:
                 assert torch.equal(a[4], b[0]) and torch.equal(a[1], b[5])
                 assert not b[1:5].any()
@@ -59,12 +60,16 @@ def test_partial_pages_and_unsupported_pools_are_refused() -> None:
     g = geometry_of(src, 4)
     with pytest.raises(ValueError, match="whole number"):
         PageCopier(src.k_buffer, src.v_buffer, g).gather(
-            torch.arange(6), torch.zeros((2, g.block_bytes), dtype=torch.uint8), torch.tensor([0, 1])
+            torch.arange(6),
+            torch.zeros((2, g.block_bytes), dtype=torch.uint8),
+            torch.tensor([0, 1]),
         )
     with pytest.raises(ValueError, match="MHA"):
         geometry_of(SimpleNamespace(kv_buffer=[torch.zeros(4, 1, 8)]), 4)  # MLA-like
     with pytest.raises(ValueError, match="scale"):
-        geometry_of(SimpleNamespace(k_buffer=src.k_buffer, v_buffer=src.v_buffer, k_scale_buffer=[1]), 4)
+        geometry_of(
+            SimpleNamespace(k_buffer=src.k_buffer, v_buffer=src.v_buffer, k_scale_buffer=[1]), 4
+        )
 
 
 def test_hashes_tenants_and_fingerprints() -> None:

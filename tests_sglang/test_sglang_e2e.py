@@ -72,7 +72,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 
 @pytest.fixture(scope="module")
-def kv_server(model: Path, daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def kv_server(
+    model: Path, daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     srv = Server(
         model,
         tmp_path_factory.mktemp("sglang-kvseal"),
@@ -156,10 +158,16 @@ def test_many_tenants_each_get_their_own_hits(kv_server: Server, daemon: Daemon)
     flush every tenant restores its own pages (and only its own)."""
     system = prompt(11, 48)
     salts = [f"user-{i}" for i in range(24)]
-    first = {s: kv_server.generate(system + prompt(200 + i, 32), salt=s, max_new=4) for i, s in enumerate(salts)}
+    first = {
+        s: kv_server.generate(system + prompt(200 + i, 32), salt=s, max_new=4)
+        for i, s in enumerate(salts)
+    }
     assert all(r["status"] == 200 for r in first.values())
     kv_server.flush()
-    again = {s: kv_server.generate(system + prompt(200 + i, 32), salt=s, max_new=4) for i, s in enumerate(salts)}
+    again = {
+        s: kv_server.generate(system + prompt(200 + i, 32), salt=s, max_new=4)
+        for i, s in enumerate(salts)
+    }
     for s in salts:
         assert again[s]["ids"] == first[s]["ids"]
         assert again[s]["cached"] == cacheable(80), s  # its own pages, all of them

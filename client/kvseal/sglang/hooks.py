@@ -31,7 +31,7 @@ from typing import Any
 
 log = logging.getLogger("kvseal.sglang")
 
-_installed = False
+_state = {"installed": False}
 
 
 def _linker_of(cache: Any) -> Any:
@@ -72,8 +72,7 @@ def _wrap_insert(orig: Callable[..., Any]) -> Callable[..., Any]:
 def install() -> bool:
     """Install the wrappers once per process. False (and a warning saying
     why) when this SGLang's ``UnifiedRadixCache`` is not the one they fit."""
-    global _installed
-    if _installed:
+    if _state["installed"]:
         return True
     try:
         from sglang.srt.mem_cache.unified_radix_cache import (  # noqa: PLC0415
@@ -94,5 +93,5 @@ def install() -> bool:
             return False
     UnifiedRadixCache.match_prefix = _wrap_match(UnifiedRadixCache.match_prefix)
     UnifiedRadixCache.insert = _wrap_insert(UnifiedRadixCache.insert)
-    _installed = True
+    _state["installed"] = True
     return True

@@ -40,13 +40,6 @@ import time
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
-    LayerWiseLoadCounter,
-    UnifiedCacheLinker,
-)
-
 from kvseal.client import ClientConfig, KVSealClient
 from kvseal.client.config import socket_target
 from kvseal.sglang import hooks, keys
@@ -55,6 +48,13 @@ from kvseal.sglang.staging import Slots, new_staging, pool_inputs
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm.kv_pool import KVPool
 from kvseal.vllm.mirror import DaemonMirror
+
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+    LayerWiseLoadCounter,
+    UnifiedCacheLinker,
+)
 
 log = logging.getLogger("kvseal.sglang")
 
@@ -105,7 +105,9 @@ class KVSealLinker(UnifiedCacheLinker):
             )
         self.load_mode = str(extra.get("load_mode", "verified"))
         if self.load_mode not in ("verified", "async"):
-            raise ValueError(f'kvseal linker: load_mode must be "verified" or "async", not {self.load_mode!r}')
+            raise ValueError(
+                f'kvseal linker: load_mode must be "verified" or "async", not {self.load_mode!r}'
+            )
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
@@ -144,7 +146,9 @@ class KVSealLinker(UnifiedCacheLinker):
             head_dim=g.head_dim,
             dtype=g.dtype,
             layout="sglang-page:v1",
-            segments=[pb.Segment(buffer=0, offset=0, page_stride=g.block_bytes, bytes=g.block_bytes)],
+            segments=[
+                pb.Segment(buffer=0, offset=0, page_stride=g.block_bytes, bytes=g.block_bytes)
+            ],
         )
         sock = str(extra.get("socket", DEFAULT_SOCKET)).format(rank=tp_rank)
         self.target = sock if "://" in sock else socket_target(sock)
@@ -197,7 +201,9 @@ class KVSealLinker(UnifiedCacheLinker):
         self.stats = {"lookups": 0, "hit_pages": 0, "loads": 0, "load_failures": 0,
                       "offloads": 0, "offload_failures": 0, "skipped_pages": 0}  # fmt: skip
         self._threads = [
-            threading.Thread(target=self._offload_run, name=f"kvseal-offload-{tp_rank}", daemon=True),
+            threading.Thread(
+                target=self._offload_run, name=f"kvseal-offload-{tp_rank}", daemon=True
+            ),
             threading.Thread(target=self._load_run, name=f"kvseal-load-{tp_rank}", daemon=True),
         ]
         for t in self._threads:
@@ -250,7 +256,11 @@ class KVSealLinker(UnifiedCacheLinker):
         hashes = [keys.kvseal_hash(k) for k in kv.keys]
         idx = kv.device_indices
         if int(idx.numel()) != len(hashes) * self.page_size:
-            log.warning("kvseal linker: load of %d pages into %d slots refused", len(hashes), int(idx.numel()))
+            log.warning(
+                "kvseal linker: load of %d pages into %d slots refused",
+                len(hashes),
+                int(idx.numel()),
+            )
             return False
         tenant = self._tenant_of(rid)
         self.stats["loads"] += 1
@@ -268,7 +278,7 @@ class KVSealLinker(UnifiedCacheLinker):
         return self._queued.pop(rid, None) is not None
 
     def start_layer_wise_loading(self) -> int:
-        index = self.layer_done_counter.update_producer()
+        index = int(self.layer_done_counter.update_producer())
         pending, self._queued = self._queued, {}
         if not pending:
             for layer in range(self.geometry.num_layers):
@@ -276,13 +286,14 @@ class KVSealLinker(UnifiedCacheLinker):
             return index
         ready = None
         if self.cuda:
-            ready = torch.cuda.Event()
+            cuda: Any = torch.cuda  # Event is untyped in torch's stubs
+            ready = cuda.Event()
             ready.record()
         self._loadq.put((index, list(pending.values()), ready))
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
-        return self.layer_done_counter.finish(counter_index)
+        return bool(self.layer_done_counter.finish(counter_index))
 
     def _load_run(self) -> None:
         while True:
@@ -321,7 +332,9 @@ class KVSealLinker(UnifiedCacheLinker):
                 return False
             n = len(slots)
             try:
-                ok = self.kv.restore(tenant, hashes[pos : pos + n], slots, event=self.kv.engine_event())
+                ok = self.kv.restore(
+                    tenant, hashes[pos : pos + n], slots, event=self.kv.engine_event()
+                )
                 if not ok:
                     self.mirror.forget(tenant, hashes[pos:])
                     return False
@@ -364,7 +377,9 @@ class KVSealLinker(UnifiedCacheLinker):
             finally:
                 self._offq.task_done()
 
-    def _store(self, tenant: bytes, hashes: list[bytes], idx: Any, events: list[Any], since: float) -> bool:
+    def _store(
+        self, tenant: bytes, hashes: list[bytes], idx: Any, events: list[Any], since: float
+    ) -> bool:
         for ev in events:
             ev.synchronize()
         m = self.mirror
@@ -389,7 +404,9 @@ class KVSealLinker(UnifiedCacheLinker):
             try:
                 st = torch.tensor(slots, dtype=torch.int64, device=self.device)
                 self.copier.gather(idx[done * ps : (done + n) * ps], self.staging, st)
-                ok = self.kv.offload(tenant, hashes[done : done + n], slots, event=self.kv.engine_event())
+                ok = self.kv.offload(
+                    tenant, hashes[done : done + n], slots, event=self.kv.engine_event()
+                )
             finally:
                 self.slots.give(slots)
             if not ok:
@@ -443,7 +460,9 @@ def _kv(transfers: list[PoolTransfer]) -> PoolTransfer | None:
 def _tp(params: Any) -> tuple[int, int]:
     group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
+        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(
+            group=group
+        )
     return 0, 1
 
 
