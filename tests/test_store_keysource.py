@@ -1,0 +1,374 @@
+"""Deployment key sources of the store tier: local, file:, cdh: (against a real
+local HTTP server that speaks the confidential-data-hub's resource endpoint;
+the CDH and a Trustee KBS do not install here).
+
+Every error is checked to carry no key bytes, in any spelling.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from kvseal.server.store.errors import KeySourceError
+from kvseal.server.store.keysource import (
+    CdhKeySource,
+    DeploymentKey,
+    FileKeySource,
+    LocalKeySource,
+    decode_key_material,
+    parse_key_source,
+)
+
+KEY = bytes(range(1, 33))
+
+
+def spellings(key: bytes) -> list[str]:
+    """Every way a key could leak into a message."""
+    return [
+        key.hex(),
+        key.hex().upper(),
+        base64.b64encode(key).decode(),
+        base64.urlsafe_b64encode(key).decode(),
+        repr(key),
+        key.decode("latin-1"),
+    ]
+
+
+def assert_no_key(text: str, key: bytes = KEY) -> None:
+    for s in spellings(key):
+        assert s not in text
+
+
+def key_bytes(k: DeploymentKey) -> bytes:
+    return bytes(k.view())
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        KEY,
+        KEY.hex().encode(),
+        KEY.hex().upper().encode() + b"\n",
+        b"  " + KEY.hex().encode() + b"\r\n",
+        base64.b64encode(KEY),
+        base64.b64encode(KEY) + b"\n",
+        base64.b64encode(KEY).rstrip(b"="),
+        base64.urlsafe_b64encode(bytes([0xFB] * 31 + [1])),
+    ],
+    ids=["raw", "hex", "HEX-newline", "hex-spaces", "b64", "b64-newline", "b64-nopad", "b64url"],
+)
+def test_accepted_spellings(raw: bytes) -> None:
+    out = decode_key_material(bytearray(raw), "test")
+    expected = bytes([0xFB] * 31 + [1]) if b"-" in raw or b"_" in raw else KEY
+    assert bytes(out) == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        KEY[:31],
+        KEY + b"\n",  # 33 bytes: not raw, and not text
+        KEY.hex().encode()[:-1],
+        KEY.hex().encode() + b"0",
+        b"zz" + KEY.hex().encode()[2:],
+        base64.b64encode(KEY)[:-2] + b"!=",
+        base64.b64encode(KEY + b"x"),
+        # 43 characters whose last two bits are not zero: a second spelling of a key
+        base64.b64encode(KEY).rstrip(b"=")[:-1] + b"B",
+        bytes(32),  # all-zero placeholder
+        b"0" * 64,
+    ],
+    ids=[
+        "empty",
+        "31-raw",
+        "33-raw",
+        "63-hex",
+        "65-hex",
+        "bad-hex",
+        "bad-b64",
+        "b64-of-33",
+        "b64-noncanonical",
+        "zero-raw",
+        "zero-hex",
+    ],
+)
+def test_refused_spellings_say_lengths_only(raw: bytes) -> None:
+    with pytest.raises(KeySourceError) as e:
+        decode_key_material(bytearray(raw), "test source")
+    assert "test source" in str(e.value)
+    if len(raw) >= 16:
+        assert raw.decode("latin-1").strip() not in str(e.value)
+    assert_no_key(str(e.value))
+
+
+# ---------------------------------------------------------------- DeploymentKey
+
+
+def test_deployment_key_copies_wipes_the_input_and_hides_itself() -> None:
+    material = bytearray(KEY)
+    k = DeploymentKey(material, "file:/x")
+    assert material == bytearray(32), "the source's buffer must be wiped"
+    assert key_bytes(k) == KEY
+    assert_no_key(repr(k))
+    assert repr(k) == "<DeploymentKey from file:/x>"
+    with pytest.raises(TypeError):
+        import pickle
+
+        pickle.dumps(k)
+    slot_view = k.view()
+    k.close()
+    assert bytes(slot_view) == bytes(32), "close zeroes the slot"
+    assert k.closed and "closed" in repr(k)
+    with pytest.raises(KeySourceError):
+        k.view()
+    k.close()  # idempotent
+
+
+def test_local_source_is_random_per_load() -> None:
+    a, b = LocalKeySource().load(), LocalKeySource().load()
+    assert key_bytes(a) != key_bytes(b) and any(key_bytes(a))
+    assert a.source == "local"
+    a.close()
+    b.close()
+
+
+# ---------------------------------------------------------------- file:
+
+
+def write_key(path: Path, content: bytes, mode: int = 0o600) -> Path:
+    path.write_bytes(content)
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o400, 0o600, 0o440, 0o640])
+def test_file_source_accepts_owner_and_group_read(tmp_path: Path, mode: int) -> None:
+    p = write_key(tmp_path / "key", KEY.hex().encode() + b"\n", mode)
+    with FileKeySource(str(p)).load() as k:
+        assert key_bytes(k) == KEY
+        assert k.source == f"file:{p}"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o660, 0o620, 0o601])
+def test_file_source_refuses_others_and_group_write(tmp_path: Path, mode: int) -> None:
+    p = write_key(tmp_path / "key", KEY, mode)
+    with pytest.raises(KeySourceError, match=f"mode {mode:04o}") as e:
+        FileKeySource(str(p)).load()
+    assert_no_key(str(e.value))
+
+
+def test_file_source_follows_a_kubernetes_style_symlink(tmp_path: Path) -> None:
+    data = tmp_path / "..data"
+    data.mkdir()
+    write_key(data / "key", base64.b64encode(KEY), 0o400)
+    (tmp_path / "key").symlink_to(Path("..data") / "key")
+    with FileKeySource(str(tmp_path / "key")).load() as k:
+        assert key_bytes(k) == KEY
+
+
+def test_file_source_refuses_non_files_without_hanging(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(KeySourceError, match="not a regular file"):
+        FileKeySource(str(fifo)).load()  # O_NONBLOCK: no writer, no hang
+    with pytest.raises(KeySourceError, match="not a regular file"):
+        FileKeySource(str(tmp_path)).load()
+    with pytest.raises(KeySourceError, match="cannot open"):
+        FileKeySource(str(tmp_path / "missing")).load()
+
+
+def test_file_source_refuses_oversized_and_malformed(tmp_path: Path) -> None:
+    big = write_key(tmp_path / "big", KEY * 200)
+    with pytest.raises(KeySourceError, match="larger than 4096") as e:
+        FileKeySource(str(big)).load()
+    assert_no_key(str(e.value))
+    bad = write_key(tmp_path / "bad", KEY + b"\n")
+    with pytest.raises(KeySourceError, match="33 bytes") as e:
+        FileKeySource(str(bad)).load()
+    assert_no_key(str(e.value))
+
+
+def test_file_source_checks_owner(tmp_path: Path) -> None:
+    p = write_key(tmp_path / "key", KEY)
+    st = p.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a file to another uid")
+    os.chown(p, 12345, -1)
+    with pytest.raises(KeySourceError, match="owned by uid 12345"):
+        FileKeySource(str(p)).load()
+
+
+# ---------------------------------------------------------------- parse_key_source
+
+
+def test_parse_key_source_spellings(tmp_path: Path) -> None:
+    assert parse_key_source("local").describe() == "local"
+    assert parse_key_source(f"file:{tmp_path}/k").describe() == f"file:{tmp_path}/k"
+    src = parse_key_source("cdh:default/kvseal/store-key", cdh_endpoint="http://127.0.0.1:1")
+    assert isinstance(src, CdhKeySource)
+    assert src.path == "/cdh/resource/default/kvseal/store-key"
+    for bad in ("file:", "cdh:a/b", "cdh:a/b/c/d", "cdh:../b/c", "cdh:a/b/c%2F", "cdh:a//c"):
+        with pytest.raises(KeySourceError):
+            parse_key_source(bad)
+    for endpoint in ("https://127.0.0.1:8006", "http://127.0.0.1:8006/x", "127.0.0.1:8006"):
+        with pytest.raises(KeySourceError, match="endpoint"):
+            CdhKeySource("a/b/c", endpoint=endpoint)
+
+
+@pytest.mark.parametrize("spec", [KEY.hex(), base64.b64encode(KEY).decode(), "vault:" + KEY.hex()])
+def test_unknown_source_is_not_echoed(spec: str) -> None:
+    """An operator who pastes the key itself into the flag must not see it in logs."""
+    with pytest.raises(KeySourceError, match="unknown store key source") as e:
+        parse_key_source(spec)
+    assert_no_key(str(e.value))
+
+
+# ---------------------------------------------------------------- cdh:
+
+
+@dataclass
+class CdhState:
+    """What the fake confidential-data-hub answers, and what it was asked."""
+
+    status: int = 200
+    body: bytes = KEY
+    delay_s: float = 0.0
+    fail_first: int = 0  # answer 503 this many times first
+    paths: list[str] = field(default_factory=list)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    state: CdhState
+
+    def do_GET(self) -> None:
+        st = self.server.state  # type: ignore[attr-defined]
+        st.paths.append(self.path)
+        if st.delay_s:
+            time.sleep(st.delay_s)
+        if st.fail_first > 0:
+            st.fail_first -= 1
+            self._answer(503, b"kbs unavailable")
+            return
+        if not self.path.startswith("/cdh/resource/"):
+            self._answer(404, b"no route")
+            return
+        self._answer(st.status, st.body if st.status == 200 else b"denied: " + KEY.hex().encode())
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def cdh() -> Iterator[tuple[str, CdhState]]:
+    state = CdhState()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    server.state = state  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    "body", [KEY, KEY.hex().encode() + b"\n", base64.b64encode(KEY)], ids=["raw", "hex", "b64"]
+)
+def test_cdh_releases_the_key(cdh: tuple[str, CdhState], body: bytes) -> None:
+    endpoint, state = cdh
+    state.body = body
+    src = parse_key_source("cdh:default/kvseal/store-key", cdh_endpoint=endpoint)
+    with src.load() as k:
+        assert key_bytes(k) == KEY
+        assert k.source == "cdh:default/kvseal/store-key"
+    assert state.paths == ["/cdh/resource/default/kvseal/store-key"]
+
+
+@pytest.mark.parametrize(
+    ("status", "match", "retryable"),
+    [
+        (401, "HTTP 401.*did not release", False),
+        (403, "HTTP 403.*did not release", False),
+        (404, "HTTP 404.*no such resource", False),
+        (500, "HTTP 500", True),
+        (503, "HTTP 503", True),
+        (302, "unexpected HTTP 302", False),
+    ],
+)
+def test_cdh_refusals(cdh: tuple[str, CdhState], status: int, match: str, retryable: bool) -> None:
+    endpoint, state = cdh
+    state.status = status
+    with pytest.raises(KeySourceError, match=match) as e:
+        CdhKeySource("default/kvseal/store-key", endpoint=endpoint).load()
+    assert e.value.retryable is retryable
+    assert "denied" not in str(e.value), "the server's body is never echoed"
+    assert_no_key(str(e.value))
+    assert len(state.paths) == 1, "one try without retry_for_s"
+
+
+def test_cdh_wrong_length_body(cdh: tuple[str, CdhState]) -> None:
+    endpoint, state = cdh
+    state.body = KEY[:16]
+    with pytest.raises(KeySourceError, match="16 bytes that are not a deployment key") as e:
+        CdhKeySource("a/b/c", endpoint=endpoint).load()
+    assert_no_key(str(e.value), KEY[:16])
+    state.body = KEY * 300
+    with pytest.raises(KeySourceError, match="more than 4096"):
+        CdhKeySource("a/b/c", endpoint=endpoint).load()
+
+
+def test_cdh_timeout(cdh: tuple[str, CdhState]) -> None:
+    endpoint, state = cdh
+    state.delay_s = 1.0
+    with pytest.raises(KeySourceError, match=r"did not answer within 0\.2 s") as e:
+        CdhKeySource("a/b/c", endpoint=endpoint, timeout_s=0.2).load()
+    assert e.value.retryable
+
+
+def test_cdh_connection_refused() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(KeySourceError, match=r"connection refused.*confidential-data-hub") as e:
+        CdhKeySource("a/b/c", endpoint=f"http://127.0.0.1:{port}", timeout_s=2).load()
+    assert e.value.retryable
+
+
+def test_cdh_retries_until_the_hub_answers(cdh: tuple[str, CdhState]) -> None:
+    endpoint, state = cdh
+    state.fail_first = 2
+    with CdhKeySource("a/b/c", endpoint=endpoint, retry_for_s=30).load() as k:
+        assert key_bytes(k) == KEY
+    assert len(state.paths) == 3
+
+
+def test_cdh_does_not_retry_a_refusal(cdh: tuple[str, CdhState]) -> None:
+    endpoint, state = cdh
+    state.status = 403
+    with pytest.raises(KeySourceError, match="403"):
+        CdhKeySource("a/b/c", endpoint=endpoint, retry_for_s=30).load()
+    assert len(state.paths) == 1
