@@ -12,9 +12,10 @@ Contract:
   tenant's current store epoch (:mod:`.scopes`) into a self-contained record
   (:mod:`.record`) and publishes it atomically at its keyed name
   (:mod:`.fsio`), after making room in its shard. A block already present is
-  touched, not rewritten (False). Concurrent puts of one block, from this
-  process or another, are harmless: each publishes a whole valid record and
-  the last rename wins.
+  touched, not rewritten (False), and so is a block another thread of this
+  process is putting right now. Concurrent puts of one block from several
+  processes are harmless: each publishes a whole valid record and the last
+  rename wins.
 - ``get(...)`` returns the plaintext (a new ``bytearray``) only after the
   whole record, read into private memory, has authenticated against what the
   caller asked for; ``None`` for a miss. Every check that fails raises a
@@ -43,8 +44,10 @@ is a function of its hash (the prefix and the model), so serving the older
 one returns the right bytes. This process remembers the generation of the
 objects it wrote or served (``replay_memory`` names, LRU); an authentic
 object older than that is a replay it can see: counted, removed, a miss
-(not an integrity failure: writers' clocks are not ordered, so a replica
-with a slow clock rewriting an evicted block looks the same).
+(not an integrity failure: writers' clocks are not ordered, and two
+replicas writing one block at once may publish in the other order than they
+drew generations, so a legitimate rewrite can look the same; the cost of
+such a false replay is one miss).
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ class FsStore:
         )
         self._lock = threading.Lock()
         self._seen: OrderedDict[str, int] = OrderedDict()
+        self._inflight: set[str] = set()
         self._stats = StoreStats()
 
     def __repr__(self) -> str:
@@ -219,18 +223,32 @@ class FsStore:
         scope = self._scope(namespace, tenant, create=True)
         assert scope is not None  # created on demand
         name = self._keys.object_name(namespace, tenant, scope.epoch_id, block_hash)
-        if self._dir.exists(name):
-            self._dir.touch(name)
+        with self._lock:
+            # One put per name at a time in this process: a second one would
+            # seal the same block again, and its rename could land before the
+            # first's, leaving an older generation than the one remembered.
+            busy = name in self._inflight
+            if not busy:
+                self._inflight.add(name)
+        if busy:
             self._count(put_present=1)
             return False
-        header = RecordHeader.fresh(
-            KIND_BLOCK, self._keys.key_id, next_generation(), len(plaintext)
-        )
-        binding = Binding(namespace, tenant, scope.epoch_id, block_hash)
-        data = seal(self._scopes.record_key(scope, header.salt), header, binding, plaintext)
-        evicted = self._dir.make_room(name, len(data), self.shard_capacity)
-        self._dir.publish(name, data, replace=True)
-        self._remember(name, header.generation)
+        try:
+            if self._dir.exists(name):
+                self._dir.touch(name)
+                self._count(put_present=1)
+                return False
+            header = RecordHeader.fresh(
+                KIND_BLOCK, self._keys.key_id, next_generation(), len(plaintext)
+            )
+            binding = Binding(namespace, tenant, scope.epoch_id, block_hash)
+            data = seal(self._scopes.record_key(scope, header.salt), header, binding, plaintext)
+            evicted = self._dir.make_room(name, len(data), self.shard_capacity)
+            self._dir.publish(name, data, replace=True)
+            self._remember(name, header.generation)
+        finally:
+            with self._lock:
+                self._inflight.discard(name)
         self._count(
             puts=1,
             evictions=evicted.records,
