@@ -373,7 +373,7 @@ class StoreDir:
         files). Records removed by someone else meanwhile count as removed."""
         if incoming > shard_cap:
             raise StoreError(f"a {incoming}-byte record cannot fit a {shard_cap}-byte shard")
-        incoming = -(-incoming // self._unit) * self._unit
+        incoming = min(-(-incoming // self._unit) * self._unit, shard_cap)
         sfd = self._shard_fd(self.shard_of(name), create=True)
         assert sfd is not None
         try:

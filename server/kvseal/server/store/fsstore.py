@@ -25,6 +25,9 @@ Contract:
   scope whose epoch changed while the get ran, and a replay this process can
   recognise (below). A different deployment key computes different names,
   so it sees only misses; it never gets another key's bytes.
+- Filesystem failures that are not tampering (EIO, EACCES, ENOSPC, ...)
+  propagate as ``OSError``; the caller treats them as a miss or a skipped
+  spill.
 - ``contains(...)``: whether an object sits at the block's name (nothing
   read or verified: a later ``get`` may still fail or miss).
 - ``delete_tenant(ns, tenant)``: the tenant's store epoch is replaced
