@@ -24,3 +24,17 @@ bench-serving: venv-vllm
 serving-report: venv-vllm
 	$(VLLM_PY) -m bench.serving.report $(SERVING_RESULTS) --md docs/serving.md \
 	  --png-prefix docs/serving
+
+# The SGLang arms (bench/serving/sglang_arm.py: sg-none, sg-wt) of the same workloads,
+# from the SGLang venv, into their own results file (docs/serving.md, "SGLang").
+SERVING_SGLANG_RESULTS ?= docs/serving-sglang-results.json
+
+.PHONY: bench-serving-sglang serving-report-sglang
+
+bench-serving-sglang: venv-sglang
+	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m bench.serving.run --work $(SERVING_WORK)-sglang \
+	  --arms sg-none,sg-wt --workloads llmd,conv,conv-salted $(ARGS)
+
+serving-report-sglang: venv-vllm
+	$(VLLM_PY) -m bench.serving.report $(SERVING_SGLANG_RESULTS) --md docs/serving.md \
+	  --section sglang-tables --png-prefix docs/serving-sglang

@@ -17,8 +17,21 @@ from pathlib import Path
 from typing import Any
 
 NAMES = {"none": "no offload", "plain": "plaintext anchor", "wt": "kvseal write-through",
-         "wb": "kvseal write-back"}  # fmt: skip
-BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+         "wb": "kvseal write-back", "sg-none": "SGLang, no offload",
+         "sg-wt": "SGLang + kvseal write-through"}  # fmt: skip
+BASELINES = ("none", "sg-none")  # arms with no second tier
+
+
+def _base(arm: str) -> str:
+    """The no-offload arm an arm is compared with: SGLang's for SGLang arms."""
+    return "sg-none" if arm.startswith("sg-") else "none"
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+BEGIN, END = _markers("tables")
 SALTED = "conv-salted"
 # Fields of a salted point where the rounds' worst value is the one to show,
 # not their median: one round in which a tenant starved or saw another
@@ -123,7 +136,7 @@ def _workload_table(res: dict[str, Any], arms: list[str], wl: str) -> list[str]:
     ]
     for a in arms:
         for p in _points(res, a, wl):
-            base = _match(res, "none", p)
+            base = _match(res, _base(a), p)
             ratio = f"{p['req_s'] / base['req_s']:.2f}x" if base and base["req_s"] else "—"
             lf = p.get("load_failed_blocks")  # absent from runs before run 7
             rb = (
@@ -230,6 +243,20 @@ def goals(res: dict[str, Any]) -> list[str]:
             if b and b["req_s"]:
                 loss = 1 - p["req_s"] / b["req_s"]
                 row(f"{a}: fits-in-cache loss <= 2%", p, f"{loss:+.1%}", loss <= 0.02)
+    # SGLang (issue 21): kvseal's linker against SGLang's own radix cache alone
+    # (there is no plaintext anchor on SGLang: its host tier needs
+    # cudaHostRegister, docs/sglang.md).
+    for wl in ("llmd", "conv"):
+        for p in _points(res, "sg-wt", wl):
+            b = _match(res, "sg-none", p)
+            if b and b["req_s"]:
+                r = p["req_s"] / b["req_s"]
+                row("sg-wt: throughput >= 2x SGLang no offload", p, f"{r:.2f}x", r >= 2.0)
+                row("sg-wt: TTFT p99 below SGLang no offload", p,
+                    f"{p['ttft_p99']:.2f} s vs {b['ttft_p99']:.2f} s",
+                    p["ttft_p99"] < b["ttft_p99"])  # fmt: skip
+            row("sg-wt: no integrity failure", p, str(p["integrity_failures"]),
+                p["integrity_failures"] == 0)  # fmt: skip
     # Salted conversations (issue 20): the tier must serve every tenant what the
     # anchor serves it (tier share >= 0.98x; the anchor's tier is keyed by
     # vLLM's salted block hashes), at the anchor's throughput and faster than
@@ -337,7 +364,7 @@ def plots(res: dict[str, Any], prefix: str) -> list[str]:
             xs = [p["x"] for p in pts]
             # No offload has no tier: only its engine's share is drawn.
             color = None
-            if a != "none":
+            if a not in BASELINES:
                 ln = ax.plot(xs, [p["cached_tier"] for p in pts], marker="o",
                              label=f"{NAMES.get(a, a)} tier")  # fmt: skip
                 color = ln[0].get_color()
@@ -386,6 +413,8 @@ def main() -> None:
     ap.add_argument("--md", help="a markdown file whose tables section is replaced")
     ap.add_argument("--png-prefix", help="write the plots as PREFIX-*.png")
     ap.add_argument("--merged", help="also write the merged results JSON here")
+    ap.add_argument("--section", default="tables",
+                    help="the markers of --md to write between (<!-- NAME:begin -->)")  # fmt: skip
     args = ap.parse_args()
     res = json.loads(Path(args.results[0]).read_text())
     for extra in args.results[1:]:  # e.g. a separate run of more llm-d rates
@@ -402,7 +431,8 @@ def main() -> None:
     if args.md:
         md = Path(args.md)
         s = md.read_text()
-        i, j = s.index(BEGIN) + len(BEGIN), s.index(END)
+        begin, end = _markers(args.section)
+        i, j = s.index(begin) + len(begin), s.index(end)
         md.write_text(s[:i] + "\n" + "\n".join(lines) + "\n" + s[j:])
     else:
         print("\n".join(lines))

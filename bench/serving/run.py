@@ -147,6 +147,16 @@ class Client:
             "".join(out), t0,
         )  # fmt: skip
 
+    def status(self, path: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("GET", path)
+            r = conn.getresponse()
+            r.read()
+            return r.status
+        finally:
+            conn.close()
+
     def get(self, path: str) -> str:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
@@ -411,6 +421,9 @@ class Arm:
                 eng += t
         return {"engine_cpu_s": eng, "daemon_cpu_s": dmn}
 
+    def adjust(self, pt: dict[str, Any]) -> None:
+        """Engine-specific corrections of a point's summary (none for vLLM)."""
+
     def stats(self) -> dict[str, int]:
         if self.daemon is None:
             return {}
@@ -426,6 +439,18 @@ class Arm:
                 self.proc.wait()
         if self.daemon is not None:
             self.daemon.stop()
+
+
+def make_arm(name: str, model: Path, work: Path) -> Arm:
+    """A vLLM arm (ARMS) or an SGLang one (bench/serving/sglang_arm.py), which
+    needs the SGLang venv: imported only when asked for."""
+    if name.startswith("sg-"):
+        from bench.serving.sglang_arm import SGLANG_ARMS, SGLangArm
+
+        if name not in SGLANG_ARMS:
+            raise SystemExit(f"unknown SGLang arm {name!r}: {', '.join(SGLANG_ARMS)}")
+        return SGLangArm(name, model, work)
+    return Arm(name, model, work)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -544,7 +569,7 @@ def per_token_costs(arm: Arm, seed: int) -> dict[str, float]:
     # blocks stored only at the next engine step (vLLM defers stores).
     cold = arm.client.complete(p, 2)
     out = {"cold_ttft_s": cold.ttft, "compute_ms_per_token": 1e3 * cold.ttft / n}
-    if arm.name != "none":
+    if arm.name not in ("none", "sg-none"):
         time.sleep(1.0)
         for _ in range(5):  # 5 x 1,024 tokens > the engine's 4,096
             arm.client.complete(text(words(rng, n)), 2)
@@ -615,7 +640,7 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
     """All arms' servers up at once, then every point run arm after arm (the
     order rotating from point to point), so a slow drift of the machine's load
     reaches every arm alike rather than whichever arm ran last."""
-    arms = [Arm(n, model, work) for n in names]
+    arms = [make_arm(n, model, work) for n in names]
     try:
         for arm in arms:  # one at a time: startup compiles and loads weights
             r: dict[str, Any] = {"arm": arm.name, "points": []}
@@ -626,7 +651,7 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
             r["kvseal_metrics"] = "# TYPE vllm:kvseal_load_failed_blocks" in arm.client.get(
                 "/metrics"
             )
-            log(f"[{arm.name}] vllm serve up in {r['start_s']} s, engine KV cache"
+            log(f"[{arm.name}] server up in {r['start_s']} s, engine KV cache"
                 f" {r['engine_blocks']} blocks")  # fmt: skip
             arm.client.complete(text(PROBE[:40]), 4)  # warm-up
             r["probe"] = arm.client.complete(text(PROBE), 16, stream=False).text
@@ -650,6 +675,7 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
                 results, wall = fn(arm.client)
                 time.sleep(1.0)  # asynchronous offloads land before the counters are read
                 pt = summarize(results, wall, m0, arm.client.metrics(), s0, arm.stats())
+                arm.adjust(pt)
                 c1 = arm.cpu_seconds()
                 pt.update({k: round(c1[k] - c0[k], 2) for k in c1})
                 pt.update(workload=wl, x_name=key, x=val, load_avg=os.getloadavg()[0])
@@ -668,7 +694,8 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one short point per workload")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help="vLLM arms (none,plain,wt,wb) or SGLang arms (sg-none,sg-wt)")  # fmt: skip
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help=f"a subset of {','.join(WORKLOADS)}")  # fmt: skip
     ap.add_argument("--rates", default=None, help="llm-d request rates, e.g. 16,32")
