@@ -30,7 +30,7 @@ from kvseal.server.store.errors import (
 )
 from kvseal.server.store.fsio import TEMP_PREFIX
 from kvseal.server.store.fsstore import FsStore, StoreConfig
-from kvseal.server.store.keysource import DeploymentKey
+from kvseal.server.store.keysource import DeploymentKey, LocalKeySource
 from kvseal.server.store.record import record_bytes
 
 KEY = bytes(range(7, 39))
@@ -459,3 +459,14 @@ def test_closed_store_refuses(make_store: MakeStore) -> None:
     with pytest.raises(StoreError):
         s.get(NS, T1, h("b"))
     assert "key_id=" in repr(s) and KEY.hex() not in repr(s)
+
+
+def test_the_local_key_source_serves_only_its_own_lifetime(tmp_path: Path) -> None:
+    """``local`` (the default): a restart draws a new key and finds nothing."""
+    cfg = StoreConfig(str(tmp_path / "s"), capacity_bytes=1 << 20, max_object_bytes=BLOCK)
+    with FsStore(cfg, LocalKeySource().load()) as first:
+        first.put(NS, T1, h("b"), kv("b"))
+        assert first.get(NS, T1, h("b")) == kv("b")
+    with FsStore(cfg, LocalKeySource().load()) as restarted:
+        assert restarted.get(NS, T1, h("b")) is None
+        assert restarted.stats().integrity_failures == 0
