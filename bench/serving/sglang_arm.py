@@ -24,8 +24,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serving.run import BLOCK, BLOCK_BYTES, ENGINE_BLOCKS, HOST_BLOCKS, MAX_LEN, ROOT
-from bench.serving.run import Arm, Client, free_port
+from bench.serving.run import (
+    BLOCK,
+    BLOCK_BYTES,
+    ENGINE_BLOCKS,
+    HOST_BLOCKS,
+    MAX_LEN,
+    ROOT,
+    Arm,
+    Client,
+    free_port,
+)
 from tests_vllm.daemon import Daemon
 
 SGLANG_ARMS = ("sg-none", "sg-wt")
@@ -55,7 +64,9 @@ class SGLangArm(Arm):
             "--enable-cache-report", "--random-seed", "0", "--log-level", "warning",
         ]  # fmt: skip
         if self.name == "sg-wt":
-            self.daemon = Daemon(self.work / "daemon", host_bytes=str(HOST_BLOCKS * BLOCK_BYTES)).start()
+            self.daemon = Daemon(
+                self.work / "daemon", host_bytes=str(HOST_BLOCKS * BLOCK_BYTES)
+            ).start()
             cfg = {
                 "linker": "KVSealLinker", "linker_module_path": "kvseal.sglang.linker",
                 "linker_extra_config": {"socket": self.daemon.socket, "staging_bytes": 64 << 20},
