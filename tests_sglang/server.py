@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -23,6 +25,33 @@ from pathlib import Path
 from typing import Any
 
 STUB = Path(__file__).resolve().parent / "stub"
+ROOT = Path(__file__).resolve().parent.parent
+DOC_SOCKET = "/run/kvseal/kvseal.sock"
+MARK = re.compile(r"<!-- tested: ([\w-]+) -->\n```sh\n(.*?)```", re.S)
+# What the CPU test platform adds to a documented command: SGLang's CPU engine,
+# no tokenizer (the tiny model has none), a small KV pool.
+CPU_FLAGS = ("--device", "cpu", "--disable-overlap-schedule", "--skip-tokenizer-init")
+
+
+def documented_commands(kind: str = "sglang-serve") -> dict[str, str]:
+    """The ``kind`` block of README.md and docs/sglang.md, continuation lines
+    joined: {file name: command}."""
+    out = {}
+    for path in (ROOT / "README.md", ROOT / "docs" / "sglang.md"):
+        for k, body in MARK.findall(path.read_text()):
+            if k == kind:
+                out[path.name] = body.replace("\\\n", " ").strip()
+    return out
+
+
+def documented_argv(cmd: str, model: Path, port: int, socket_path: str) -> list[str]:
+    """The documented command as an argv for this machine: MODEL, the port and
+    the daemon's socket substituted, this venv's python; nothing else changed."""
+    argv = shlex.split(cmd)
+    assert argv[0] == "python", cmd
+    argv[0] = sys.executable
+    argv = [str(model) if a == "MODEL" else str(port) if a == "30000" else a for a in argv]
+    return [a.replace(DOC_SOCKET, socket_path) for a in argv]
 
 
 def linker_flags(socket_path: str, **extra: Any) -> list[str]:
@@ -59,6 +88,7 @@ class Server:
         kvseal_socket: str | None = None,
         linker: dict[str, Any] | None = None,
         extra: tuple[str, ...] = (),
+        documented: str | None = None,
     ) -> None:
         self.model = model
         self.workdir = workdir
@@ -67,6 +97,7 @@ class Server:
         self.kvseal_socket = kvseal_socket
         self.linker = linker or {}
         self.extra = extra
+        self.documented = documented  # a documented command to run instead (documented_argv)
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -76,6 +107,12 @@ class Server:
         return self.workdir / f"sglang-{self.starts}.log"
 
     def args(self) -> list[str]:
+        if self.documented is not None:
+            assert self.kvseal_socket is not None
+            return [
+                *documented_argv(self.documented, self.model, self.port, self.kvseal_socket),
+                *CPU_FLAGS, "--max-total-tokens", str(self.kv_tokens),
+            ]  # fmt: skip
         a = [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(self.model), "--device", "cpu",

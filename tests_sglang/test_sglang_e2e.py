@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests_sglang.server import Server, prompt
+from tests_sglang.server import Server, documented_commands, linker_flags, prompt
 from tests_vllm.daemon import Daemon
 from tests_vllm.tiny_model import make_tiny_llama
 
@@ -220,12 +220,29 @@ def test_sglang_restart_reuses_the_warm_daemon_async_mode(
         srv.stop()
 
 
+def test_documented_flag_line_is_the_one_tested() -> None:
+    """README and docs/sglang.md carry one and the same flag line, and it is
+    the linker configuration the other tests build (tests_sglang.server)."""
+    docs = documented_commands()
+    assert set(docs) == {"README.md", "sglang.md"}, docs
+    assert len(set(docs.values())) == 1, docs
+    cmd = docs["README.md"]
+    flags = linker_flags("/run/kvseal/kvseal.sock")
+    assert " ".join(flags[:4]) in cmd
+    assert f"--unified-cache-external-linker-config '{flags[4].replace(' ', '')}'" in cmd.replace(
+        ", ", ","
+    ).replace(": ", ":")
+
+
 def test_daemon_killed_mid_run_no_hang_then_reuse_resumes(
     baseline: dict[str, Any], model: Path, daemon: Daemon, tmp_path: Path
 ) -> None:
+    """The server is the documented command, run as written (MODEL, port and
+    socket substituted; CPU flags added). The daemon dies mid-run: every
+    request is still answered, identically; a new daemon is found again."""
     srv = Server(
-        model, tmp_path, kv_tokens=KV_TOKENS, page_size=PAGE, kvseal_socket=daemon.socket,
-        linker={"staging_bytes": 4 << 20, "transfer_timeout_s": 5},
+        model, tmp_path, kv_tokens=KV_TOKENS, kvseal_socket=daemon.socket,
+        documented=documented_commands()["README.md"],
     )  # fmt: skip
     srv.start()
     try:

@@ -123,6 +123,9 @@ class KVSealLinker(UnifiedCacheLinker):
         blocks = max(1, min(1 << 16, staging_bytes // g.block_bytes))
         self.staging = new_staging(blocks, g.block_bytes, self.device)
         self.slots = Slots(blocks)
+        # An offload takes at most half the blocks at a time, so a load (on the
+        # scheduler thread in "verified" mode) never waits for a whole offload.
+        self._offload_chunk = max(1, blocks // 2)
         fingerprint = keys.model_fingerprint(
             model=str(getattr(server_args, "model_path", "")),
             revision=getattr(server_args, "revision", None),
@@ -397,7 +400,7 @@ class KVSealLinker(UnifiedCacheLinker):
         ps = self.page_size
         done = 0
         while done < len(hashes):
-            slots = self.slots.take(len(hashes) - done)
+            slots = self.slots.take(min(len(hashes) - done, self._offload_chunk))
             if not slots:
                 return False
             n = len(slots)
