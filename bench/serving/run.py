@@ -567,6 +567,9 @@ def per_token_costs(arm: Arm, seed: int) -> dict[str, float]:
     p = text(words(rng, n))
     # 2 output tokens, not 1: a request that ends in its prefill step has its
     # blocks stored only at the next engine step (vLLM defers stores).
+    # Another arm's last request may still be offloading in the background
+    # (write-through): let it settle, or this arm's cold prefill shares the CPU.
+    time.sleep(1.0)
     cold = arm.client.complete(p, 2)
     out = {"cold_ttft_s": cold.ttft, "compute_ms_per_token": 1e3 * cold.ttft / n}
     if arm.name not in ("none", "sg-none"):

@@ -76,7 +76,10 @@ class SGLangArm(Arm):
                 "--unified-cache-external-linker-backend", "dynamic",
                 "--unified-cache-external-linker-config", json.dumps(cfg),
             ]  # fmt: skip
+        # OMP_WAIT_POLICY=PASSIVE as for the vLLM arms: an idle server's OpenMP
+        # threads must not spin on the cores another arm is being measured on.
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1",
+               "OMP_WAIT_POLICY": "PASSIVE",
                "PYTHONPATH": f"{STUB}{os.pathsep}{ROOT}"}  # fmt: skip
         with open(self.work / "serve.log", "wb") as logf:
             self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env,
