@@ -19,6 +19,14 @@ class IntegrityPolicy(Enum):
 
 EXIT_INTEGRITY = 3  # exit status after an integrity abort (systemd: do not restart)
 
+
+class StorePolicy(Enum):
+    """When blocks reach the store tier (``--store-policy``; docs/store.md)."""
+
+    WRITE_THROUGH = "write-through"  # every block the host tier stores is also spilled
+    SPILL = "spill"  # only blocks the host tier evicts are spilled (write-back)
+
+
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)  # fullmatch
 _UNITS = {
     "": 1,
@@ -102,6 +110,16 @@ class ServerConfig:
     device_check_interval: float = 5.0
     log_format: str = "text"
     log_level: str = "INFO"
+    # The sealed store tier under the host tier (docs/store.md); off when
+    # store_dir is None, and then nothing below is used.
+    store_dir: str | None = None
+    store_bytes: int = 16 * 1024**3
+    store_key: str = "local"  # local | file:PATH | cdh:REPO/TYPE/TAG
+    store_cdh_endpoint: str = "http://127.0.0.1:8006"
+    store_key_wait: float = 30.0  # seconds the cdh source retries while the CDH is not up
+    store_policy: StorePolicy = StorePolicy.WRITE_THROUGH
+    store_fsync: bool = True  # flush each record before it is published
+    store_max_block_bytes: int = 16 * 1024**2  # blocks larger than this are not spilled
 
     def __post_init__(self) -> None:
         if not (self.listen.startswith("unix://") or self.listen.startswith("tcp://")):
@@ -142,6 +160,18 @@ class ServerConfig:
             raise ValueError("--socket-group must name a group or a gid")
         if self.log_format not in ("text", "json"):
             raise ValueError("--log-format must be text or json")
+        if self.store_dir is not None:
+            if not self.store_dir.strip():
+                raise ValueError("--store-dir must name a directory")
+            if self.store_max_block_bytes < 1:
+                raise ValueError("--store-max-block-bytes must be positive")
+            if self.store_bytes <= self.store_max_block_bytes:
+                raise ValueError(
+                    "--store-bytes must exceed --store-max-block-bytes (one block per shard "
+                    "at the very least; 8 or more per shard is the store's own sizing)"
+                )
+            if not 0 <= self.store_key_wait <= 3600:  # also refuses NaN
+                raise ValueError("--store-key-wait must be in [0, 3600] seconds")
 
     @property
     def unix_path(self) -> str | None:

@@ -146,6 +146,13 @@ class ShuttingDown(KVSealError):
     reason = "SHUTTING_DOWN"
 
 
+class StoreUnavailable(KVSealError):
+    """The store tier could not do its part (a filesystem error, not
+    tampering); what the host tier had to do was done."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class EngineNotReady(KVSealError):
     """The engine's CUDA event (``cuda_event_ipc_handle``) did not complete in time:
     nothing was read from or written to its pool."""

@@ -509,6 +509,19 @@ class BlockSealer:
 
     # ------------------------------------------------------------ lifetime
 
+    def retain(self, epoch_index: int) -> bool:
+        """Count one more live user of ``epoch_index`` (a copy of a block the
+        store tier will open after the host tier let it go), so that its key
+        outlives the block; the caller must :meth:`forget` it exactly once.
+        False (nothing counted) if the epoch is gone. A drop still destroys it."""
+        with self._lock:
+            epoch = self._epochs.get(epoch_index)
+            if epoch is None:
+                return False
+            epoch.live += 1
+            epoch.scope.live += 1
+            return True
+
     def forget(self, epoch_index: int) -> None:
         """One block sealed under ``epoch_index`` is gone (or a drawn nonce is
         burnt): drop the epoch's key when it has no live blocks and is not its

@@ -180,6 +180,33 @@ class TierSample:
     host_blocks: int
     registered_pools: int
     pool_holds: int
+    store: StoreSample | None = None  # the store tier's, when --store-dir is set
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSample:
+    """The store tier's counters (this process's, since start) and gauges
+    (``bytes_used``, ``objects``: the last directory scan, every replica's)."""
+
+    bytes_used: int
+    objects: int
+    capacity_bytes: int
+    queued: int
+    lookup_hits: int
+    hits: int
+    misses: int
+    promoted: int
+    spills: int
+    spills_present: int
+    spills_skipped: int
+    evictions: int
+    evicted_bytes: int
+    integrity_failures: int
+    replays: int
+    scope_rollbacks: int
+    tenant_drops: int
+    errors: int
+    host_auth_failures: int
 
 
 class MetricsSource(Protocol):
@@ -306,3 +333,50 @@ class _SourceCollector:
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        if c.store is not None:
+            yield from _store_families(c.store)
+
+
+def _store_families(s: StoreSample) -> Iterator[Any]:
+    """The store tier's families (only when the daemon has a store)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+
+    counters = (
+        ("kvseal_store_lookup_hit_blocks", "Blocks lookups found in the store only",
+         s.lookup_hits),
+        ("kvseal_store_hits", "Store objects read and verified", s.hits),
+        ("kvseal_store_misses", "Store reads that found nothing usable (a miss)", s.misses),
+        ("kvseal_store_promoted_blocks", "Blocks restored from the store into the host tier",
+         s.promoted),
+        ("kvseal_store_spills", "Blocks sealed into the store", s.spills),
+        ("kvseal_store_spills_present", "Spills of blocks the store already held (touched)",
+         s.spills_present),
+        ("kvseal_store_spills_skipped", "Spills not done (queue full, block gone or dropped, "
+         "filesystem error)", s.spills_skipped),
+        ("kvseal_store_evictions", "Store objects this daemon removed to make room",
+         s.evictions),
+        ("kvseal_store_evicted_bytes", "Bytes of those objects", s.evicted_bytes),
+        ("kvseal_store_integrity_failures", "Store objects or scope markers that failed their "
+         "checks (tampered, swapped, truncated, foreign)", s.integrity_failures),
+        ("kvseal_store_replays", "Older copies of a block this daemon recognised (a miss)",
+         s.replays),
+        ("kvseal_store_scope_rollbacks", "Replaced scope markers seen again (rotated again)",
+         s.scope_rollbacks),
+        ("kvseal_store_tenant_drops", "Tenant store epochs rotated by Drop(all_of_tenant)",
+         s.tenant_drops),
+        ("kvseal_store_errors", "Filesystem errors (not tampering), each a miss or a skipped "
+         "spill", s.errors),
+        ("kvseal_store_spill_open_failures", "Host-tier blocks that failed authentication "
+         "when opened for a spill (left to the restore path's policy)", s.host_auth_failures),
+    )  # fmt: skip
+    for name, doc, value in counters:
+        yield CounterMetricFamily(name, doc, value=value)
+    gauges = (
+        ("kvseal_store_bytes_used", "Bytes in the store directory (last scan, all writers)",
+         s.bytes_used),
+        ("kvseal_store_objects", "Block objects in the store directory (last scan)", s.objects),
+        ("kvseal_store_bytes_capacity", "Capacity of the store in bytes", s.capacity_bytes),
+        ("kvseal_store_spill_queue", "Blocks waiting to be spilled", s.queued),
+    )  # fmt: skip
+    for name, doc, value in gauges:
+        yield GaugeMetricFamily(name, doc, value=value)

@@ -8,17 +8,24 @@ lock, and completes. Failure at any point releases what was reserved.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
 
 from kvseal.server import telemetry
 from kvseal.server.backends.base import Backend, BlockIO, Region, written_positions
+from kvseal.server.cache.admission import request
 from kvseal.server.cache.checks import check_event, check_hashes, check_pages, check_tenant
-from kvseal.server.cache.results import Counters, Observer, OffloadResult, Registered, RestoreResult
+from kvseal.server.cache.results import (
+    Counters,
+    Observer,
+    OffloadResult,
+    Registered,
+    RestoreResult,
+    tier_sample,
+)
+from kvseal.server.cache.storetier import StoreTier
 from kvseal.server.config import IntegrityPolicy, ServerConfig
 from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import (
@@ -27,16 +34,17 @@ from kvseal.server.errors import (
     CapacityExhausted,
     IntegrityFailure,
     ShuttingDown,
+    StoreUnavailable,
     UnknownPool,
 )
 from kvseal.server.events import EventBus, EventKind, Subscription
 from kvseal.server.index import Entry, Index, Removal, State
 from kvseal.server.pools import MappedPool, NoMemory, Pool, PoolRegistry, PoolSpec
 from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer, KeyDestroyed
+from kvseal.server.store.fsstore import FsStore
 
 log = logging.getLogger("kvseal.cache")
 MAX_OWNER_TOKEN = 64
-F = TypeVar("F", bound=Callable[..., Any])
 # Tenants remembered per pool for its event watchers (32 B each, plus dict overhead).
 MAX_POOL_TENANTS = 65536
 # A tenant a pool named is forgotten once no request on the pool has named it
@@ -45,30 +53,13 @@ MAX_POOL_TENANTS = 65536
 TENANT_IDLE_S = 600.0
 
 
-def _request(fn: F) -> F:
-    """Admit a request only while serving, and count it as in flight until
-    it returns, so that ``close`` never unmaps memory a request still uses."""
-
-    @functools.wraps(fn)
-    def wrapper(self: SealedCache, *args: Any, **kwargs: Any) -> Any:
-        with self._inflight_cv:
-            self._check_serving()
-            self._inflight += 1
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            with self._inflight_cv:
-                self._inflight -= 1
-                self._inflight_cv.notify_all()
-
-    return cast(F, wrapper)
-
-
 class SealedCache:
     """Owns the index, the region and the pools; thread-safe.
 
     ``on_integrity_abort`` is called once, from the request thread that saw
     the failure, when the policy is ``abort``: the caller stops serving.
+    ``store``: the sealed store tier under the host tier (``cache.storetier``;
+    this cache owns it from here on), or None (no store: nothing changes).
     """
 
     def __init__(
@@ -79,6 +70,7 @@ class SealedCache:
         sealer: BlockSealer,
         on_integrity_abort: Callable[[], None] | None = None,
         observer: Observer | None = None,
+        store: FsStore | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -98,6 +90,17 @@ class SealedCache:
         self._inflight_cv = threading.Condition()
         self._on_integrity_abort = on_integrity_abort
         self.observer = observer or Observer()
+        self.store = None if store is None else StoreTier(
+            store, config.store_policy, self.index, region, sealer,
+            abort_on_integrity=config.integrity_policy is IntegrityPolicy.ABORT,
+            on_abort=self._store_abort,
+        )  # fmt: skip
+
+    def _store_abort(self) -> None:
+        """The store failed its checks on the spill thread under ``abort``."""
+        self.stop_serving()
+        if self._on_integrity_abort is not None:
+            self._on_integrity_abort()
 
     def _on_free(self, e: Entry) -> None:
         if e.record is not None:
@@ -149,7 +152,7 @@ class SealedCache:
 
     # ---------------------------------------------------------------- pools
 
-    @_request
+    @request
     def register_pool(self, spec: PoolSpec, owner_token: bytes = b"") -> Registered:
         """Map the engine's pool and register it (see PoolRegistry.add for names,
         owners and holds). A registration that fails, at any step, leaves nothing
@@ -185,7 +188,7 @@ class SealedCache:
         )
         return Registered(pool.pool_id, ns, pool.block_bytes, pool.owner_token)
 
-    @_request
+    @request
     def unregister_pool(self, pool_id: str) -> None:
         pool = self.pools.remove(pool_id)
         log.info("unregistered pool %s", pool.pool_id)
@@ -244,28 +247,10 @@ class SealedCache:
 
     def metrics_sample(self) -> telemetry.TierSample:
         """The counters and gauges the metrics families export (this cache is
-        telemetry's ``MetricsSource``): read without the counter lock, as a
-        scrape always was (each value is one consistent int)."""
-        c = self.counters
-        ix = self.index.stats()
-        return telemetry.TierSample(
-            lookups=c.lookups,
-            lookup_blocks=c.lookup_blocks,
-            lookup_hit_blocks=c.lookup_hit_blocks,
-            offloaded_blocks=c.offloaded_blocks,
-            offloaded_bytes=c.offloaded_bytes,
-            restored_blocks=c.restored_blocks,
-            restored_bytes=c.restored_bytes,
-            evicted_blocks=c.evicted_blocks,
-            dropped_blocks=c.dropped_blocks,
-            integrity_failures=c.integrity_failures,
-            key_scopes_destroyed=c.key_scopes_destroyed,
-            restores_of_dropped=c.restores_of_dropped,
-            host_bytes_used=ix.used_bytes,
-            host_bytes_capacity=ix.capacity_bytes,
-            host_blocks=ix.ready,
-            registered_pools=len(self.pools),
-            pool_holds=self.open_holds,
+        telemetry's ``MetricsSource``; see ``results.tier_sample``)."""
+        store = self.store.sample() if self.store is not None else None
+        return tier_sample(
+            self.counters, self.index.stats(), len(self.pools), self.open_holds, store
         )
 
     def pool_stats(self, pool_id: str) -> tuple[dict[str, int], int, int]:
@@ -357,7 +342,7 @@ class SealedCache:
 
     # ---------------------------------------------------------------- blocks
 
-    @_request
+    @request
     def lookup(
         self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]
     ) -> tuple[int, list[State]]:
@@ -370,6 +355,8 @@ class SealedCache:
         with self.pools.use(pool_id) as pool, telemetry.stage("lookup"):
             self._note_tenant(pool, tenant)
             hit, states = self.index.lookup(pool.namespace, tenant, hashes)
+            if self.store is not None and hit < len(hashes):  # blocks only the store holds
+                hit = self.store.extend_lookup(pool.namespace, tenant, hashes, hit, states)
         self._count(pool, lookups=1, lookup_blocks=len(hashes), lookup_hit_blocks=hit)
         if telemetry.enabled():
             telemetry.annotate(
@@ -377,14 +364,14 @@ class SealedCache:
             )
         return hit, states
 
-    @_request
+    @request
     def touch(self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]) -> int:
         check_tenant(tenant)
         check_hashes(hashes, self.config.max_batch_blocks)
         with self.pools.use(pool_id) as pool:
             return self.index.touch(pool.namespace, tenant, hashes)
 
-    @_request
+    @request
     def offload(
         self,
         pool_id: str,
@@ -414,6 +401,8 @@ class SealedCache:
             with telemetry.stage("reserve"):
                 plan = self.index.begin_store(ns, tenant, parent_hash, hashes, size)
                 telemetry.annotate(evicted_blocks=len(plan.evicted), new_blocks=len(plan.new))
+            if self.store is not None:  # before the victims' slots are reused
+                self.store.evicting(plan.evicted)
             blocks = [
                 BlockIO(
                     pages[pos],
@@ -450,6 +439,8 @@ class SealedCache:
                 raise
             with telemetry.stage("commit"):
                 self.index.complete_store(plan.new, records)
+            if self.store is not None:
+                self.store.stored(ns, tenant, plan.new)
             elapsed = time.perf_counter() - t0
         telemetry.annotate(
             pool=pool_id,
@@ -470,7 +461,7 @@ class SealedCache:
             self.observer.on_transfer("offload", len(blocks), nbytes, elapsed)
         return OffloadResult(plan.outcomes, len(blocks), nbytes, len(plan.evicted))
 
-    @_request
+    @request
     def restore(
         self,
         pool_id: str,
@@ -499,6 +490,12 @@ class SealedCache:
                 blocks=len(hashes),
                 release=release,
             )
+            if self.store is not None:  # blocks only the store holds: into the host tier
+                with telemetry.stage("store"):
+                    bad = self.store.promote(ns, tenant, hashes, pool.block_bytes, deadline)
+                if bad:
+                    abort = self.config.integrity_policy is IntegrityPolicy.ABORT
+                    self._integrity_failure(pool, bad, abort=abort, where="the store")
             with telemetry.stage("pin"):
                 entries = self.index.begin_restore(ns, tenant, hashes)
             failed_idx: list[int] = []
@@ -529,14 +526,14 @@ class SealedCache:
             failed = [entries[i] for i in failed_idx]
             if failed and self.config.integrity_policy is IntegrityPolicy.ABORT:
                 self.index.complete_restore(entries, release=False)
-                self._integrity_failure(pool, failed, abort=True)
+                self._integrity_failure(pool, [e.block_hash for e in failed], abort=True)
             self.index.complete_restore(
                 entries,
                 release=release and not failed,
                 failed=failed,
             )
         if failed:
-            self._integrity_failure(pool, failed, abort=False)
+            self._integrity_failure(pool, [e.block_hash for e in failed], abort=False)
         nbytes = sum(e.size for e in entries)
         telemetry.annotate(restored_blocks=len(entries), bytes=nbytes)
         self._count(pool, restored_blocks=len(entries), restored_bytes=nbytes)
@@ -544,7 +541,9 @@ class SealedCache:
             self.observer.on_transfer("restore", len(entries), nbytes, elapsed)
         return RestoreResult(len(entries), nbytes)
 
-    def _integrity_failure(self, pool: Pool, failed: list[Entry], *, abort: bool) -> None:
+    def _integrity_failure(
+        self, pool: Pool, failed: list[bytes], *, abort: bool, where: str = "host memory"
+    ) -> None:
         self._count(pool, integrity_failures=len(failed))
         telemetry.event(
             "kvseal.integrity_failure",
@@ -554,9 +553,9 @@ class SealedCache:
         )
         if self.observer.on_integrity_failure:
             self.observer.on_integrity_failure(pool.pool_id, len(failed))
-        which = ", ".join(e.block_hash.hex()[:16] for e in failed[:8])
+        which = ", ".join(h.hex()[:16] for h in failed[:8])
         msg = (
-            f"{len(failed)} block(s) failed authentication (host memory was altered, swapped, "
+            f"{len(failed)} block(s) failed authentication ({where} was altered, swapped, "
             f"replayed or truncated): {which}; nothing was written to the pool"
         )
         if abort:
@@ -572,7 +571,7 @@ class SealedCache:
         )
         raise IntegrityFailure(msg + "; the blocks were evicted (policy drop)")
 
-    @_request
+    @request
     def drop(
         self, pool_id: str, tenant: bytes, hashes: Sequence[bytes], *, all_of_tenant: bool
     ) -> int:
@@ -598,7 +597,10 @@ class SealedCache:
         if not all_of_tenant:
             check_hashes(hashes, self.config.max_batch_blocks)
         destroyed = 0
+        store_failed: Exception | None = None
         with self.pools.use(pool_id) as pool:
+            if all_of_tenant and self.store is not None:  # first: see cache.storetier
+                store_failed = self.store.drop_tenant(pool.namespace, tenant)
             if all_of_tenant:
                 destroyed = self.sealer.destroy_scope(pool.namespace, tenant)
             removed = self.index.drop(pool.namespace, tenant, None if all_of_tenant else hashes)
@@ -612,6 +614,11 @@ class SealedCache:
                 destroyed,
             )
         self._count(pool, dropped_blocks=len(removed), key_scopes_destroyed=1 if destroyed else 0)
+        if store_failed is not None:
+            raise StoreUnavailable(
+                "the host tier dropped the tenant, but its store epoch could not be "
+                f"replaced ({type(store_failed).__name__}); retry the drop"
+            )
         return len(removed)
 
     def close(self, timeout: float = 30.0) -> bool:
@@ -633,6 +640,8 @@ class SealedCache:
                 self.pools.remove(pool.pool_id)
             except Exception:  # noqa: S112 - best effort at shutdown
                 continue
+        if self.store is not None:  # its spill thread reads the region and the sealer
+            self.store.close()
         # The region first: on the CUDA backend it is pinned/registered host memory
         # whose release needs the context that backend.close() gives back.
         self.region.close()

@@ -6,7 +6,13 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from kvseal.server.config import IntegrityPolicy, ServerConfig, default_socket_path, parse_size
+from kvseal.server.config import (
+    IntegrityPolicy,
+    ServerConfig,
+    StorePolicy,
+    default_socket_path,
+    parse_size,
+)
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -135,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a lost context turns health NOT_SERVING and exits 4; 0: off "
         "[KVSEAL_DEVICE_CHECK_INTERVAL]",
     )
+    _add_store_flags(p)
     p.add_argument(
         "--log-format",
         choices=("text", "json"),
@@ -147,6 +154,63 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_store_flags(p: argparse.ArgumentParser) -> None:
+    """The sealed store tier's flags (docs/store.md); all unused without --store-dir."""
+    p.add_argument(
+        "--store-dir",
+        default=_env("KVSEAL_STORE_DIR"),
+        help="keep sealed blocks also in this directory (a local disk, or a volume every "
+        "replica mounts), a tier under the host tier; off when unset [KVSEAL_STORE_DIR]",
+    )
+    p.add_argument(
+        "--store-bytes",
+        default=_env("KVSEAL_STORE_BYTES", "16GiB"),
+        help="capacity of the store directory; every replica sharing it must give the "
+        "same [KVSEAL_STORE_BYTES]",
+    )
+    p.add_argument(
+        "--store-key",
+        default=_env("KVSEAL_STORE_KEY", "local"),
+        help="where the store's deployment key comes from: local (random, this process "
+        "only), file:PATH (32 bytes raw, hex or base64; a Kubernetes or CoCo sealed "
+        "secret), cdh:REPO/TYPE/TAG (the confidential-data-hub) [KVSEAL_STORE_KEY]",
+    )
+    p.add_argument(
+        "--store-cdh-endpoint",
+        default=_env("KVSEAL_STORE_CDH_ENDPOINT", "http://127.0.0.1:8006"),
+        help="the confidential-data-hub's API for --store-key cdh:... [KVSEAL_STORE_CDH_ENDPOINT]",
+    )
+    p.add_argument(
+        "--store-key-wait",
+        type=float,
+        default=float(_env("KVSEAL_STORE_KEY_WAIT", "30") or 30),
+        help="seconds --store-key cdh:... keeps retrying while the CDH is not up (refused, "
+        "timeouts, 5xx); 401/403/404 fail at once [KVSEAL_STORE_KEY_WAIT]",
+    )
+    p.add_argument(
+        "--store-policy",
+        choices=[x.value for x in StorePolicy],
+        default=_env("KVSEAL_STORE_POLICY", StorePolicy.WRITE_THROUGH.value),
+        help="write-through: every block stored in the host tier is also spilled to the "
+        "store (restarts and replicas find the hot set); spill: only blocks the host tier "
+        "evicts [KVSEAL_STORE_POLICY]",
+    )
+    p.add_argument(
+        "--store-fsync",
+        choices=("on", "off"),
+        default=_env("KVSEAL_STORE_FSYNC", "on"),
+        help="on: flush each record before it is published (a host crash never leaves a "
+        "torn record behind a name); off: for a store that dies with the VM (tmpfs) "
+        "[KVSEAL_STORE_FSYNC]",
+    )
+    p.add_argument(
+        "--store-max-block-bytes",
+        default=_env("KVSEAL_STORE_MAX_BLOCK_BYTES", "16MiB"),
+        help="largest block the store takes (larger ones stay in the host tier only); "
+        "replicas sharing a directory must agree [KVSEAL_STORE_MAX_BLOCK_BYTES]",
+    )
+
+
 def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
     args = build_parser().parse_args(argv)
     uids: tuple[int, ...] = tuple(args.allow_uid or ())
@@ -157,6 +221,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         operators = tuple(
             int(u) for u in os.environ["KVSEAL_OPERATOR_UIDS"].split(",") if u.strip()
         )
+    if args.store_fsync not in ("on", "off"):  # KVSEAL_STORE_FSYNC skips argparse's choices
+        raise ValueError("--store-fsync must be on or off")
     return ServerConfig(
         listen=args.listen,
         backend=args.backend,
@@ -181,4 +247,12 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         max_holds=args.max_holds,
         log_format=args.log_format,
         log_level=args.log_level.upper(),
+        store_dir=args.store_dir or None,
+        store_bytes=parse_size(args.store_bytes),
+        store_key=args.store_key,
+        store_cdh_endpoint=args.store_cdh_endpoint,
+        store_key_wait=args.store_key_wait,
+        store_policy=StorePolicy(args.store_policy),
+        store_fsync=args.store_fsync == "on",
+        store_max_block_bytes=parse_size(args.store_max_block_bytes),
     )

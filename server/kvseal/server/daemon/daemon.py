@@ -38,6 +38,9 @@ from kvseal.server.daemon.socket_access import (
 from kvseal.server.hostregion import RegionError
 from kvseal.server.peercred import PeerCredGate, listen_owner_only, relayed_uid
 from kvseal.server.service import KVSealServicer, add_to_server
+from kvseal.server.store.errors import KeySourceError, StoreLayoutError
+from kvseal.server.store.fsstore import FsStore, StoreConfig
+from kvseal.server.store.keysource import parse_key_source
 from kvseal.server.threads import FixedPool, name_os_thread
 from kvseal.v1 import kvseal_pb2 as pb
 
@@ -96,6 +99,47 @@ def operator_check(
     return check
 
 
+def open_store(cfg: ServerConfig) -> FsStore | None:
+    """The store tier's directory under its deployment key (``--store-*``), or
+    None without ``--store-dir``. A key that cannot be had (an unsafe or
+    malformed file, the CDH refusing or unreachable for ``--store-key-wait``
+    seconds) or a directory that cannot be used as configured (another
+    fanout, too small) stops the start with one line (exit 2); no message
+    carries key bytes (``store.keysource``)."""
+    if cfg.store_dir is None:
+        return None
+    try:
+        source = parse_key_source(
+            cfg.store_key, cdh_endpoint=cfg.store_cdh_endpoint, cdh_retry_for_s=cfg.store_key_wait
+        )
+        key = source.load()
+    except KeySourceError as e:
+        raise SystemExit(f"kvseal-server: --store-key: {e}") from None
+    try:
+        store = FsStore(
+            StoreConfig(
+                cfg.store_dir,
+                capacity_bytes=cfg.store_bytes,
+                max_object_bytes=cfg.store_max_block_bytes,
+                durable=cfg.store_fsync,
+            ),
+            key,  # the store owns it from here (closes it on failure too)
+        )
+    except (StoreLayoutError, OSError) as e:
+        key.close()
+        raise SystemExit(f"kvseal-server: --store-dir {cfg.store_dir}: {e}") from None
+    log.info(
+        "store tier: %s (%d bytes, fanout %d, key %s, policy %s, fsync %s)",
+        cfg.store_dir,
+        cfg.store_bytes,
+        store.fanout,
+        source.describe(),
+        cfg.store_policy.value,
+        "on" if cfg.store_fsync else "off",
+    )
+    return store
+
+
 @dataclass
 class Daemon:
     """A running daemon; ``create`` builds and binds it, ``wait`` blocks."""
@@ -135,12 +179,20 @@ class Daemon:
                 os.close(fd)
             raise SystemExit(f"kvseal-server: {e}") from e
         sealing.self_test()
+        store = open_store(cfg)  # before the backend: a bad key or directory fails fast
         sealer = sealing.BlockSealer(cfg.rekey_after)
-        backend = make_backend(cfg, sealer)
+        try:
+            backend = make_backend(cfg, sealer)
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
         try:
             region = backend.make_region(cfg.host_bytes, cfg.host_region)
         except RegionError as e:
             backend.close()
+            if store is not None:
+                store.close()
             raise SystemExit(f"kvseal-server: {e}") from e
         if cfg.host_region is not None and not locks.same_file(held[-1], cfg.host_region):
             raise SystemExit(
@@ -167,7 +219,7 @@ class Daemon:
         if watch_broken is not None:
             watch_broken(on_broken)
         telemetry.setup_tracing()
-        cache = SealedCache(cfg, backend, region, sealer, on_integrity_abort=on_abort)
+        cache = SealedCache(cfg, backend, region, sealer, on_integrity_abort=on_abort, store=store)
         metrics = telemetry.Metrics(cache) if cfg.metrics_address else None
         if metrics is not None:
             cache.observer = Observer(on_transfer=metrics.on_transfer)

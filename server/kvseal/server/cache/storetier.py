@@ -1,0 +1,458 @@
+"""The sealed store tier under the host tier, as the cache uses it.
+
+:class:`StoreTier` joins a :class:`~kvseal.server.store.fsstore.FsStore` (a
+directory the host owns, shared by replicas and restarts) to the host tier
+(the index, the region, the block sealer). The cache calls it at five points;
+everything else here runs on one background thread. Contract:
+
+- **Spills** (host tier -> store) never run on a gRPC handler thread nor under
+  the index lock. ``write-through`` (the default, :meth:`stored`): after an
+  offload commits, its new blocks' hashes are queued; the spill thread pins
+  each block in the index, snapshots its ciphertext from the region into
+  private memory, unpins, opens it there with the host tier's key, and puts
+  the plaintext (a private ``bytearray``, wiped after) into the store, which
+  seals it under the deployment key. ``spill`` (write-back, :meth:`evicting`):
+  an offload's eviction victims are snapshotted (ciphertext: a copy of host
+  memory, no plaintext) on the offload's thread before their slots are
+  reused, their key epochs retained, and the rest happens on the spill
+  thread. Plaintext therefore exists only in the daemon's private memory,
+  never in the region, the engine's pool or the directory. The queue is
+  bounded (blocks and snapshot bytes): a spill that does not fit is skipped
+  and counted, never waited for. A block the host tier let go before its
+  turn, or whose tenant was dropped meanwhile, is skipped.
+- **Lookups** (:meth:`extend_lookup`) extend the host tier's READY prefix
+  with blocks present in the store (a name check, nothing read).
+- **Restores** (:meth:`promote`): blocks absent from the host tier are read
+  from the store and verified there (``FsStore.get``: the whole record
+  authenticated against namespace, tenant, epoch and hash), then sealed into
+  the host tier (new index entries) before the cache's normal restore pins
+  and opens every block (verified again by the backend) and only then writes
+  the engine's pages: every byte is verified before any reaches the pool,
+  all or nothing, on both backends, through the one write path they have.
+  A store object that fails its checks is returned to the cache, which
+  applies ``--on-integrity-failure`` exactly as for the host region (the
+  store already removed the object). A miss or an ``OSError`` (EIO, EACCES,
+  an NFS hiccup: not tampering) is a miss, counted and logged.
+- **Drops** (:meth:`drop_tenant`, called by ``Drop(all_of_tenant)`` before
+  the host tier's keys are destroyed): the tenant's store epoch is rotated
+  (``FsStore.delete_tenant``), every spill queued before it is discarded (a
+  drop counter: drops are rare, and a late spill must not republish a dropped
+  tenant's block under its new epoch), and promotions that read the store
+  before it are abandoned or waited for (then the index drop removes them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvseal.server import telemetry
+from kvseal.server.backends.base import Region
+from kvseal.server.config import StorePolicy
+from kvseal.server.deadline import Deadline
+from kvseal.server.errors import BlockNotPresent, CapacityExhausted
+from kvseal.server.index import Entry, Index, State
+from kvseal.server.sealing import (
+    TAG_BYTES,
+    AuthenticationFailed,
+    BlockAD,
+    BlockSealer,
+    KeyDestroyed,
+    SealingError,
+    SealRecord,
+)
+from kvseal.server.store.errors import StoreError, StoreIntegrityError
+from kvseal.server.store.fsstore import FsStore
+from kvseal.server.store.keysource import wipe
+from kvseal.server.threads import name_os_thread
+
+log = logging.getLogger("kvseal.store")
+# The spill queue's bounds: hashes are cheap (write-through), snapshots are
+# whole blocks of ciphertext (spill policy), so both are capped.
+MAX_QUEUED_BLOCKS = 65536
+MAX_QUEUED_BYTES = 256 * 1024**2
+# How often the spill thread rescans the directory for the usage gauges (a
+# full listing: never on a scrape, never on a request).
+USAGE_REFRESH_S = 10.0
+# How long a drop waits for promotions that read the store before it.
+DROP_WAIT_S = 5.0
+
+
+@dataclass(slots=True)
+class _Spill:
+    """One block on its way to the store."""
+
+    ns: bytes
+    tenant: bytes
+    block_hash: bytes
+    drops: int  # the tier's drop count when queued (changed: discarded)
+    size: int = 0
+    sealed: bytearray | None = None  # spill policy: ciphertext || tag, retained epoch
+    record: SealRecord | None = None
+    generation: int = 0
+
+
+@dataclass(slots=True)
+class _Counts:
+    lookup_hits: int = 0  # blocks lookups found only in the store
+    promoted: int = 0  # blocks read from the store into the host tier
+    spills_skipped: int = 0  # queue full, block gone, too large, dropped
+    errors: int = 0  # OSError from the filesystem (misses or skipped spills)
+    host_auth_failures: int = 0  # a host-tier copy failed to open while spilling
+
+
+class StoreTier:
+    """See the module docstring. ``on_abort`` is called (from the spill
+    thread) when the store's checks fail there under the ``abort`` policy."""
+
+    def __init__(
+        self,
+        store: FsStore,
+        policy: StorePolicy,
+        index: Index,
+        region: Region,
+        sealer: BlockSealer,
+        *,
+        abort_on_integrity: bool,
+        on_abort: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self._index = index
+        self._region = region
+        self._sealer = sealer
+        self._abort_on_integrity = abort_on_integrity
+        self._on_abort = on_abort
+        self._queue: deque[_Spill] = deque()
+        self._queued_bytes = 0
+        self._cv = threading.Condition()  # queue, drop count, promotions in flight
+        self._spill_lock = threading.Lock()  # a spill's check-and-put vs a drop
+        self._drops = 0
+        self._promoting = 0
+        self._closed = False
+        self._counts = _Counts()
+        self._usage = (0, 0)  # (records, bytes) at the last rescan
+        self._thread = threading.Thread(target=self._run, name="kvseal-spill", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ the cache's hooks
+
+    def extend_lookup(
+        self, ns: bytes, tenant: bytes, hashes: Sequence[bytes], hit: int, states: list[State]
+    ) -> int:
+        """The READY prefix of ``hashes`` counting blocks the store holds: from
+        ``hit`` on, each ABSENT block present in the store is reported READY
+        (``states`` updated) until the first that is not. A filesystem error
+        ends the prefix there."""
+        found = 0
+        try:
+            while hit < len(hashes) and states[hit] is State.ABSENT:
+                if not self.store.contains(ns, tenant, hashes[hit]):
+                    break
+                states[hit] = State.READY
+                hit += 1
+                found += 1
+        except OSError as e:
+            self._note_error("lookup", e)
+        if found:
+            self._add(lookup_hits=found)
+        return hit
+
+    def stored(self, ns: bytes, tenant: bytes, entries: Sequence[Entry]) -> None:
+        """An offload committed ``entries`` (write-through: queue them)."""
+        if self.policy is not StorePolicy.WRITE_THROUGH or not entries:
+            return
+        with self._cv:
+            for e in entries:
+                if len(self._queue) >= MAX_QUEUED_BLOCKS:
+                    self._counts.spills_skipped += 1
+                    continue
+                self._queue.append(_Spill(ns, tenant, e.block_hash, self._drops))
+            self._cv.notify()
+
+    def evicting(self, victims: Sequence[Entry]) -> None:
+        """An offload (or a promotion) doomed ``victims`` and is about to reuse
+        their slots (spill policy: snapshot their ciphertext now). Runs on the
+        request's thread: a copy of host memory per victim, nothing more."""
+        if self.policy is not StorePolicy.SPILL or not victims:
+            return
+        for v in victims:
+            rec = v.record
+            if rec is None or v.size > self.store.config.max_object_bytes:
+                self._add(spills_skipped=1)
+                continue
+            with self._cv:
+                room = (
+                    len(self._queue) < MAX_QUEUED_BLOCKS
+                    and self._queued_bytes + v.size <= MAX_QUEUED_BYTES
+                )
+                if room:
+                    self._queued_bytes += v.size  # reserved before the copy
+            if not room or not self._sealer.retain(rec.epoch):
+                self._add(spills_skipped=1)
+                if room:
+                    with self._cv:
+                        self._queued_bytes -= v.size
+                continue
+            sealed = bytearray(v.size + TAG_BYTES)
+            n = self._region.read_into(v.extent.offset, memoryview(sealed)[: v.size])
+            sealed[v.size :] = rec.tag
+            ns, tenant, h = v.key
+            with self._cv:
+                if n != v.size:  # the host shrank the region: nothing to spill
+                    self._queued_bytes -= v.size
+                    self._counts.spills_skipped += 1
+                    self._sealer.forget(rec.epoch)
+                    continue
+                self._queue.append(
+                    _Spill(ns, tenant, h, self._drops, v.size, sealed, rec, v.generation)
+                )
+                self._cv.notify()
+
+    def promote(
+        self, ns: bytes, tenant: bytes, hashes: Sequence[bytes], size: int, deadline: Deadline
+    ) -> list[bytes]:
+        """Bring the blocks of ``hashes`` that the host tier lacks in from the
+        store (see the module docstring). Returns the hashes whose store
+        objects failed their checks (the caller applies the integrity
+        policy); otherwise every missing block was promoted, or one was a
+        miss and nothing was (the restore then fails as it would without a
+        store: all or nothing)."""
+        _, states = self._index.lookup(ns, tenant, hashes)
+        absent = [h for h, s in zip(hashes, states, strict=True) if s is State.ABSENT]
+        if not absent:
+            return []
+        got: dict[bytes, bytearray] = {}
+        with self._cv:
+            drops = self._drops
+            self._promoting += 1
+        try:
+            for h in absent:
+                deadline.check("reading the store")
+                try:
+                    plaintext = self.store.get(ns, tenant, h)
+                except StoreIntegrityError as e:
+                    log.error("store object of block %s failed its checks: %s", h.hex()[:16], e)
+                    return [h]
+                except (OSError, StoreError) as e:
+                    self._note_error("restore", e)
+                    return []
+                if plaintext is None:
+                    return []
+                got[h] = plaintext
+                if len(plaintext) != size:  # not this pool's geometry: a miss
+                    return []
+            with self._cv:
+                if self._drops != drops:
+                    return []  # a drop ran meanwhile: serve nothing read before it
+            self._seal_into_host(ns, tenant, hashes, got, size)
+            return []
+        finally:
+            for plaintext in got.values():
+                wipe(plaintext)
+            with self._cv:
+                self._promoting -= 1
+                self._cv.notify_all()
+
+    def drop_tenant(self, ns: bytes, tenant: bytes) -> Exception | None:
+        """Rotate the tenant's store epoch (before the host tier's keys go);
+        returns the error if the store could not (the caller still drops the
+        host tier, then reports it)."""
+        with self._spill_lock:
+            with self._cv:
+                self._drops += 1
+            try:
+                self.store.delete_tenant(ns, tenant)
+                failed: Exception | None = None
+            except (OSError, StoreError) as e:
+                failed = e
+                log.error("store: dropping tenant %s failed: %s", telemetry.tenant_label(tenant), e)
+        give_up = time.monotonic() + DROP_WAIT_S
+        with self._cv:
+            while self._promoting and (left := give_up - time.monotonic()) > 0:
+                self._cv.wait(left)
+        return failed
+
+    def sample(self) -> telemetry.StoreSample:
+        """The store's counters and the last usage scan, for the metrics."""
+        s = self.store.stats()
+        c = self._counts
+        records, nbytes = self._usage
+        return telemetry.StoreSample(
+            bytes_used=nbytes,
+            objects=records,
+            capacity_bytes=self.store.config.capacity_bytes,
+            queued=len(self._queue),
+            lookup_hits=c.lookup_hits,
+            hits=s.hits,
+            misses=s.misses,
+            promoted=c.promoted,
+            spills=s.puts,
+            spills_present=s.put_present,
+            spills_skipped=c.spills_skipped,
+            evictions=s.evictions,
+            evicted_bytes=s.evicted_bytes,
+            integrity_failures=s.integrity_failures,
+            replays=s.replays,
+            scope_rollbacks=s.scope_rollbacks,
+            tenant_drops=s.tenant_drops,
+            errors=c.errors,
+            host_auth_failures=c.host_auth_failures,
+        )
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the spill thread (queued spills are discarded: the store is a
+        cache) and wipe the store's keys."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        with self._cv:
+            while self._queue:
+                self._discard(self._queue.popleft())
+        if not self._thread.is_alive():
+            self.store.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _add(self, **deltas: int) -> None:
+        with self._cv:
+            for k, v in deltas.items():
+                setattr(self._counts, k, getattr(self._counts, k) + v)
+
+    def _note_error(self, what: str, e: BaseException) -> None:
+        self._add(errors=1)
+        log.warning("store %s: %s (treated as a miss)", what, e)
+
+    def _seal_into_host(
+        self, ns: bytes, tenant: bytes, hashes: Sequence[bytes], got: dict[bytes, bytearray],
+        size: int,
+    ) -> None:  # fmt: skip
+        """Seal the verified plaintexts into new host-tier entries (the
+        request's own chain, so the parents link as an offload's would)."""
+        try:
+            plan = self._index.begin_store(ns, tenant, None, hashes, size)
+        except CapacityExhausted:
+            return  # everything pinned: the restore fails as a miss would
+        self.evicting(plan.evicted)
+        records: list[SealRecord | None] = []
+        try:
+            out = bytearray(size + TAG_BYTES)
+            for e in plan.new:
+                plaintext = got.get(e.block_hash)
+                if plaintext is None:  # left the host tier after the lookup above
+                    records.append(None)
+                    continue
+                ad = BlockAD(ns, tenant, e.block_hash, e.generation)
+                rec = self._sealer.seal_into(memoryview(plaintext), ad, memoryview(out))
+                records.append(rec)
+                self._region.write(e.extent.offset, memoryview(out)[:size])
+        except BaseException:
+            self._index.abort_store(plan, range(len(plan.new)))
+            for r in records:
+                if r is not None:
+                    self._sealer.forget(r.epoch)
+            raise
+        self._index.complete_store(plan.new, records)
+        self._add(promoted=sum(r is not None for r in records))
+
+    def _discard(self, job: _Spill) -> None:
+        """A queued spill that will not run: release what it holds."""
+        if job.sealed is not None and job.record is not None:
+            self._queued_bytes -= job.size
+            wipe(job.sealed)
+            self._sealer.forget(job.record.epoch)
+
+    def _run(self) -> None:
+        name_os_thread("kvseal-spill")
+        next_scan = 0.0
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    if time.monotonic() >= next_scan:
+                        break
+                    self._cv.wait(max(0.0, next_scan - time.monotonic()))
+                if self._closed:
+                    return
+                job = self._queue.popleft() if self._queue else None
+                if job is not None and job.sealed is not None:
+                    self._queued_bytes -= job.size
+            if job is not None:
+                try:
+                    self._spill(job)
+                except Exception:
+                    log.exception("store: a spill failed unexpectedly; the block stays host-only")
+                    self._add(spills_skipped=1)
+            if time.monotonic() >= next_scan:  # also while spills keep coming
+                next_scan = time.monotonic() + USAGE_REFRESH_S
+                self._rescan()
+
+    def _rescan(self) -> None:
+        try:
+            u = self.store.usage()
+        except OSError as e:
+            self._note_error("usage scan", e)
+            return
+        self._usage = (u.objects, u.total_bytes)
+
+    def _snapshot(self, job: _Spill) -> bool:
+        """Write-through: pin the block, copy its ciphertext and retain its key
+        epoch; False if it already left the host tier."""
+        try:
+            (e,) = self._index.begin_restore(job.ns, job.tenant, [job.block_hash])
+        except BlockNotPresent:
+            return False
+        try:
+            rec = e.record
+            if rec is None or e.size > self.store.config.max_object_bytes:
+                return False
+            if not self._sealer.retain(rec.epoch):
+                return False
+            sealed = bytearray(e.size + TAG_BYTES)
+            n = self._region.read_into(e.extent.offset, memoryview(sealed)[: e.size])
+            sealed[e.size :] = rec.tag
+            job.size, job.sealed, job.record, job.generation = e.size, sealed, rec, e.generation
+        finally:
+            self._index.complete_restore([e], release=False)
+        if n != e.size:
+            self._sealer.forget(rec.epoch)
+            job.sealed = None
+            return False
+        return True
+
+    def _spill(self, job: _Spill) -> None:
+        if job.sealed is None and not self._snapshot(job):
+            self._add(spills_skipped=1)
+            return
+        sealed, rec = job.sealed, job.record
+        assert sealed is not None and rec is not None
+        plaintext = memoryview(sealed)[: job.size]
+        try:
+            ad = BlockAD(job.ns, job.tenant, job.block_hash, job.generation)
+            self._sealer.open_into(rec, ad, memoryview(sealed), plaintext)
+            with self._spill_lock:
+                if job.drops != self._drops:
+                    self._add(spills_skipped=1)  # a drop since it was queued
+                    return
+                self.store.put(job.ns, job.tenant, job.block_hash, plaintext)
+        except KeyDestroyed:
+            self._add(spills_skipped=1)  # its tenant was dropped
+        except AuthenticationFailed:
+            # Left to the host tier's own restore path, which applies the policy.
+            self._add(host_auth_failures=1, spills_skipped=1)
+            log.error("store: block %s failed to open for a spill", job.block_hash.hex()[:16])
+        except StoreIntegrityError as e:  # the tenant's scope marker failed its checks
+            log.critical("store: a scope marker failed its checks while spilling: %s", e)
+            if self._abort_on_integrity:
+                self._on_abort()
+        except (OSError, StoreError, SealingError) as e:
+            self._add(spills_skipped=1)
+            self._note_error("spill", e)
+        finally:
+            plaintext.release()
+            wipe(sealed)
+            self._sealer.forget(rec.epoch)
