@@ -441,11 +441,14 @@ class EnginePool:
         page_ids: Sequence[int],
         release: bool = False,
         cuda_event_ipc_handle: bytes = b"",
+        timeout: float | None = None,
     ) -> bool:
         """True: every destination page now holds its verified block. False
         (integrity failure, miss, daemon down, no handle): the pages are yours
         again — the daemon will not touch them after this returns; recompute them.
-        ``cuda_event_ipc_handle`` (CUDA backend): as in :meth:`KVSealClient.restore`."""
+        ``cuda_event_ipc_handle`` (CUDA backend): as in :meth:`KVSealClient.restore`.
+        ``timeout``: this call's deadline instead of the client's transfer timeout
+        (a caller that waits on a latency-critical thread bounds it tighter)."""
         if not block_hashes:
             return False
 
@@ -456,6 +459,7 @@ class EnginePool:
                 block_hashes,
                 page_ids,
                 release,
+                timeout=timeout,
                 cuda_event_ipc_handle=cuda_event_ipc_handle,
             )
             return True

@@ -63,7 +63,8 @@ OPTIONS = {
     "socket": "the daemon's socket (a path or unix:// target; {rank} is the TP rank)",
     "load_mode": '"verified" (default: a failed restore is recomputed) or "async"',
     "staging_bytes": "bytes of staging blocks (default 256 MiB, at least one block)",
-    "transfer_timeout_s": "bound of one restore or offload RPC (default 10)",
+    "transfer_timeout_s": "bound of one offload RPC, and of an async restore (default 10)",
+    "load_timeout_s": "bound of a verified restore, on the scheduler thread (default 2)",
     "ready_wait_s": "how long start-up waits for the pool's registration (default 10)",
     "discovery": "look up blocks the mirror has no word of, in the background (default true)",
     "instance": "a name for this engine in pool names and logs (default sglang)",
@@ -192,6 +193,9 @@ class KVSealLinker(UnifiedCacheLinker):
                 tp_rank,
                 self.kv.pool.registration_error,
             )
+        # A verified load waits on SGLang's scheduler thread: a hung daemon may
+        # cost one such wait (then the pool backs off and loads fail at once).
+        self._load_timeout = float(extra.get("load_timeout_s", 2.0))
         self.layer_done_counter = LayerWiseLoadCounter(g.num_layers)
         # rid -> tenant, set by the hooks in match_prefix (bounded, oldest out).
         self._req_tenant: collections.OrderedDict[str, bytes] = collections.OrderedDict()
@@ -336,7 +340,11 @@ class KVSealLinker(UnifiedCacheLinker):
             n = len(slots)
             try:
                 ok = self.kv.restore(
-                    tenant, hashes[pos : pos + n], slots, event=self.kv.engine_event()
+                    tenant,
+                    hashes[pos : pos + n],
+                    slots,
+                    event=self.kv.engine_event(),
+                    timeout=self._load_timeout if self.load_mode == "verified" else None,
                 )
                 if not ok:
                     self.mirror.forget(tenant, hashes[pos:])

@@ -230,9 +230,10 @@ class KVPool:
         pages: Sequence[int],
         release: bool = False,
         event: EngineEvent | None = None,
+        timeout: float | None = None,
     ) -> bool:
         return self.pool.restore(
-            tenant, hashes, pages, release, cuda_event_ipc_handle=_handle(event)
+            tenant, hashes, pages, release, cuda_event_ipc_handle=_handle(event), timeout=timeout
         )
 
     def close(self) -> None:
