@@ -25,7 +25,10 @@ What it does, in one run:
    SO_PEERCRED relay), and straight to the latter's internal gRPC socket (a
    fresh ``.kvseal-*`` directory): p50/p99 and p50 / echo p50, the cases
    taking turns in blocks of calls. ``--round-trip-only`` runs just this.
-5. Prints markdown tables (last), stops the daemons with SIGTERM.
+5. The store tier's rows (``store_transfers.py``): sealed spill and store
+   restore of the same 4 MiB blocks against a plain file copy of the same
+   bytes, in process, in a temp directory. ``--store-only`` runs just this.
+6. Prints markdown tables (last), stops the daemons with SIGTERM.
 
 Throughput is GB/s = 1e9 bytes/s of plaintext. No GPU is used.
 """
@@ -49,6 +52,7 @@ from pathlib import Path
 
 import cpu_transfers
 import grpc
+import store_transfers
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
 from kvseal.client.shm import LAYOUTS, KVShape, SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
@@ -322,6 +326,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--round-trip-only", action="store_true", help="only the round-trip table (no sealing)"
     )
+    p.add_argument("--store-only", action="store_true", help="only the store tier's rows")
+    p.add_argument(
+        "--store-blocks",
+        type=int,
+        default=None,
+        help="4 MiB blocks per store repetition (default 64; --quick: 4)",
+    )
     p.add_argument(
         "--workers", type=int, default=2, help="sealing threads, daemon and in process (default 2)"
     )
@@ -345,10 +356,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--workers must be positive")
     extra = ["--workers", str(args.workers)]
 
+    store_blocks = args.store_blocks or (4 if args.quick else 64)
     if args.round_trip_only:
         print(cpu_label(), flush=True)
         print()
         return round_trip_table(rtt_calls)
+    if args.store_only:
+        print(cpu_label(), flush=True)
+        print()
+        return store_table(block_bytes, store_blocks, reps)
 
     print(cpu_label(), flush=True)
     print(
@@ -398,7 +414,20 @@ def main(argv: list[str] | None = None) -> int:
     for line in cpu_transfers.table(rows):
         print(line)
     print()
+    store_table(block_bytes, store_blocks, reps)
     return round_trip_table(rtt_calls)
+
+
+def store_table(block_bytes: int, blocks: int, reps: int) -> int:
+    """Measure the store tier's rows and print their table."""
+    fs, rows = store_transfers.measure(
+        block_bytes, blocks, reps, lambda line: print(line, flush=True)
+    )
+    print()
+    for line in store_transfers.table(fs, block_bytes, blocks, reps, rows):
+        print(line)
+    print()
+    return 0
 
 
 def round_trip_table(calls: int) -> int:
