@@ -24,7 +24,17 @@ from kvseal.server.store.keysource import FileKeySource
 from kvseal.v1 import kvseal_pb2 as pb
 
 from .conftest import DaemonProc, fill_random, is_poisoned, poison, until
-from .store_helpers import FP, chain, key_file, objects, scrape, store_flags, wait_objects
+from .store_helpers import (
+    FP,
+    MAX_BLOCK,
+    STORE_BYTES,
+    chain,
+    key_file,
+    objects,
+    scrape,
+    store_flags,
+    wait_objects,
+)
 
 Factory = Callable[..., DaemonProc]
 
@@ -76,7 +86,17 @@ def test_local_key_serves_only_its_own_lifetime(
     fill_random(pool)
     tenant = tenant_digest(None)
     hashes = chain(2, pool.shape.tokens_per_page)
-    a = daemon_factory(*store_flags(store, "local"))
+    # Configured through the environment this time (KVSEAL_STORE_*; flags win).
+    env = {
+        "KVSEAL_STORE_DIR": str(store),
+        "KVSEAL_STORE_BYTES": STORE_BYTES,
+        "KVSEAL_STORE_MAX_BLOCK_BYTES": MAX_BLOCK,
+        "KVSEAL_STORE_KEY": "local",
+        "KVSEAL_STORE_FSYNC": "off",
+        "KVSEAL_STORE_POLICY": "write-through",
+    }
+    a = daemon_factory(env=env)
+    assert "key local, policy write-through, fsync off" in a.log()
     with a.client() as c:
         h = c.register_pool("engine", FP, pool.geometry())
         c.offload(h.pool_id, tenant, hashes, [0, 1])
