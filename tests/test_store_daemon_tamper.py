@@ -102,6 +102,44 @@ def test_tampered_store_fails_under_the_integrity_policy(
     assert all(is_poisoned(pool, p) for p in range(6))
 
 
+@pytest.mark.parametrize("policy", ["drop", "abort"])
+def test_tampered_scope_marker_fails_under_the_integrity_policy(
+    tmp_path: Path,
+    daemon_factory: Factory,
+    pool_factory: Callable[..., SharedKVPool],
+    policy: str,
+) -> None:
+    """The tenant's scope marker (its store epoch) flipped: a restore fails
+    DATA_LOSS under the policy, as a tampered object does."""
+    store, key = tmp_path / "store", key_file(tmp_path / "key")
+    flags = store_flags(store, f"file:{key}")
+    pool = pool_factory(num_pages=4)
+    fill_random(pool)
+    tenant = tenant_digest("user-a")
+    hashes = chain(2, pool.shape.tokens_per_page, b"user-a")
+    a = daemon_factory(*flags)
+    with a.client() as c:
+        h = c.register_pool("engine", FP, pool.geometry())
+        c.offload(h.pool_id, tenant, hashes, [0, 1])
+    wait_objects(store, 2)
+    assert a.stop() == 0
+    (marker,) = store.glob("*/*.scope")
+    _flip([marker])
+    b = daemon_factory(*flags, "--on-integrity-failure", policy)
+    poison(pool, [0, 1, 2, 3])
+    with b.client() as c:
+        h = c.register_pool("engine", FP, pool.geometry())
+        with pytest.raises(KVSealRpcError) as e:
+            c.restore(h.pool_id, tenant, hashes, [2, 3])
+        assert e.value.code == grpc.StatusCode.DATA_LOSS
+        if policy == "drop":
+            assert c.lookup(h.pool_id, tenant, hashes).hit_blocks == 0  # marker removed
+            assert c.health() == "SERVING"
+    if policy == "abort":
+        assert b.wait_exit() == EXIT_INTEGRITY
+    assert all(is_poisoned(pool, p) for p in range(4))
+
+
 class _Cdh:
     """A local HTTP server speaking ``GET /cdh/resource/<repo>/<type>/<tag>``:
     ``answers`` are (status, body) pairs served in turn, the last one forever."""
