@@ -52,6 +52,7 @@ K8S = DEPLOY / "kubernetes"
 KUSTOMIZATIONS = {
     "base": K8S / "base",
     "overlay-vllm": K8S / "overlays" / "vllm",
+    "overlay-store": K8S / "overlays" / "store",
 }
 MONITORING = K8S / "monitoring"
 DOCKERFILE = DEPLOY / "container" / "Dockerfile"
@@ -81,6 +82,9 @@ DAEMON_FLAGS = {
     "--metrics-address",
     "--log-format",
     "--log-level",
+    "--store-dir",
+    "--store-key",
+    "--store-bytes",
 }
 
 # The daemon's Prometheus metrics (the only names the dashboard may use).
@@ -234,7 +238,10 @@ def test_manifest_files_validate(name: str, version: str) -> None:
 @pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
 def test_rendered_kustomize_validates(name: str, version: str) -> None:
     objs = _render(KUSTOMIZATIONS[name])
-    assert {o["kind"] for o in objs} == {"ConfigMap", "Deployment", "ResourceClaimTemplate"}
+    kinds = {"ConfigMap", "Deployment", "ResourceClaimTemplate"}
+    if name == "overlay-store":
+        kinds.add("PersistentVolumeClaim")  # the shared store volume
+    assert {o["kind"] for o in objs} == kinds
     for obj in objs:
         _validate(obj, version)
 
@@ -360,6 +367,39 @@ def test_sidecar_identical_in_base_and_overlay() -> None:
         assert overlay[key] == base[key], key
     for volume in ("kvseal-run", "kvseal-cache", "kvseal-tmp"):
         assert _by_name(overlay["volumes"], volume) == _by_name(base["volumes"], volume)
+
+
+def test_store_overlay_mounts_a_shared_volume_and_the_key() -> None:
+    """The store overlay (docs/store.md): a ReadWriteMany claim and the key
+    Secret on the kvseal sidecar only, with the flags that use them; the key
+    file's mode leaves others no access (the daemon refuses one they can read)."""
+    objs = _render(KUSTOMIZATIONS["overlay-store"])
+    pod = _deployment(objs)["spec"]["template"]["spec"]
+    pvc = next(o for o in objs if o["kind"] == "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    sidecar = _by_name(pod["initContainers"], "kvseal")
+    mounts = {m["name"]: m for m in sidecar["volumeMounts"]}
+    store_dir = _option_value(sidecar["args"], "--store-dir")
+    assert mounts["kvseal-store"]["mountPath"] == store_dir
+    key = _option_value(sidecar["args"], "--store-key")
+    assert key.startswith("file:" + mounts["kvseal-store-key"]["mountPath"] + "/")
+    assert mounts["kvseal-store-key"]["readOnly"] is True
+    secret = _by_name(pod["volumes"], "kvseal-store-key")["secret"]
+    assert secret["defaultMode"] & 0o007 == 0
+    assert (
+        _by_name(pod["volumes"], "kvseal-store")["persistentVolumeClaim"]["claimName"]
+        == (pvc["metadata"]["name"])
+    )
+    for c in pod["containers"]:  # the engine never mounts the key or the store
+        names = {m["name"] for m in c.get("volumeMounts", [])}
+        assert not names & {"kvseal-store", "kvseal-store-key"}, c["name"]
+    # Everything else is the vllm overlay's pod.
+    base = _deployment(_render(KUSTOMIZATIONS["overlay-vllm"]))["spec"]["template"]["spec"]
+    assert pod["containers"] == base["containers"]
+    assert (
+        sidecar["args"][: len(_by_name(base["initContainers"], "kvseal")["args"])]
+        == (_by_name(base["initContainers"], "kvseal")["args"])
+    )
 
 
 def test_overlay_keeps_the_existing_deployment() -> None:
