@@ -183,7 +183,6 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], type[StoreIntegrityError]]] = {
     "truncate-1": (lambda p: p.write_bytes(p.read_bytes()[:-1]), RecordTruncated),
     "append": (lambda p: p.write_bytes(p.read_bytes() + b"\0"), LengthMismatch),
     "zero": (lambda p: p.write_bytes(bytes(p.stat().st_size)), RecordFormatError),
-    "oversize": (lambda p: p.write_bytes(bytes(70 << 10)), LengthMismatch),
     "fifo": (lambda p: (p.unlink(), os.mkfifo(p, 0o600)), NotARegularFile),
     "symlink": (lambda p: (p.unlink(), p.symlink_to("/etc/hostname")), NotARegularFile),
     "directory": (lambda p: (p.unlink(), p.mkdir()), NotARegularFile),

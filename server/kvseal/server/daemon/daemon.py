@@ -38,7 +38,7 @@ from kvseal.server.daemon.socket_access import (
 from kvseal.server.hostregion import RegionError
 from kvseal.server.peercred import PeerCredGate, listen_owner_only, relayed_uid
 from kvseal.server.service import KVSealServicer, add_to_server
-from kvseal.server.store.errors import KeySourceError, StoreLayoutError
+from kvseal.server.store.errors import KeySourceError, StoreError
 from kvseal.server.store.fsstore import FsStore, StoreConfig
 from kvseal.server.store.keysource import parse_key_source
 from kvseal.server.threads import FixedPool, name_os_thread
@@ -104,7 +104,8 @@ def open_store(cfg: ServerConfig) -> FsStore | None:
     None without ``--store-dir``. A key that cannot be had (an unsafe or
     malformed file, the CDH refusing or unreachable for ``--store-key-wait``
     seconds) or a directory that cannot be used as configured (another
-    fanout, too small) stops the start with one line (exit 2); no message
+    fanout, too small, a shard that is not a directory) stops the start with
+    one line (exit 2); no message
     carries key bytes (``store.keysource``)."""
     if cfg.store_dir is None:
         return None
@@ -125,7 +126,7 @@ def open_store(cfg: ServerConfig) -> FsStore | None:
             ),
             key,  # the store owns it from here (closes it on failure too)
         )
-    except (StoreLayoutError, OSError) as e:
+    except (StoreError, OSError) as e:  # also a planted shard symlink met by the sweep
         key.close()
         raise SystemExit(f"kvseal-server: --store-dir {cfg.store_dir}: {e}") from None
     log.info(

@@ -65,8 +65,10 @@ class BadMagic(RecordFormatError):
     """The first bytes are not a kvseal store record's magic."""
 
 
-class UnsupportedVersion(RecordFormatError):
-    """A record format version this code does not read."""
+class UnsupportedVersion(StoreError):
+    """A record format version this code does not read. Not an integrity
+    failure: a newer replica sharing the store may have written it, so the
+    store treats it as a miss (and leaves it in place)."""
 
 
 class WrongKind(RecordFormatError):

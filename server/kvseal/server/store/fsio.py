@@ -23,14 +23,17 @@ Rules each function keeps (and why):
   first-writer-wins markers). A reader opens a name and gets the old inode or
   the new one, whole, never a partial one. Concurrent writers of one name
   each publish a complete record; the last rename wins and both are valid.
-- **fsync of the file, not of the directory.** After a power loss or a VM
-  crash a published name must never point at a torn record: that is
-  indistinguishable from tampering and would trip the integrity policy. The
-  data is therefore flushed before the rename. The directory is not: a
-  rename lost in a crash is a missing object (a miss), and its temporary file
-  is swept (below). ``durable=False`` skips the flush for stores that do not
-  outlive the VM anyway (tmpfs, an emptyDir in memory); there a crash loses
-  the whole store, never half an object.
+- **fsync of the file; of the directory only for markers.** After a power
+  loss or a VM crash a published name must never point at a torn record:
+  that is indistinguishable from tampering and would trip the integrity
+  policy. The data is therefore flushed before the rename. For a block
+  object the directory is not: a rename lost in a crash is a missing object
+  (a miss), and its temporary file is swept (below). For a scope marker it
+  is (``sync_dir``): a lost marker rename would bring the *previous* marker
+  back, undoing a tenant drop, so a drop is durable before it returns.
+  ``durable=False`` skips every flush for stores that do not outlive the VM
+  anyway (tmpfs, an emptyDir in memory); there a crash loses the whole
+  store, never half an object.
 - **Page cache, not O_DIRECT.** Records carry a 64-byte header, so O_DIRECT's
   alignment rules (offsets, lengths and buffers in 512 B to 4 KiB units) would
   need padding in the format; tmpfs refuses it and NFS/FUSE filesystems give
@@ -80,7 +83,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvseal.server.store.errors import (
-    LengthMismatch,
     NotARegularFile,
     StoreError,
     StoreIntegrityError,
@@ -217,8 +219,16 @@ class StoreDir:
         except FileNotFoundError:
             if not create:
                 return None
-        except OSError as e:  # ELOOP, ENOTDIR: the host put something else there
-            raise StoreIntegrityError(f"shard {shard} is not a directory ({e.strerror})") from None
+        except OSError as e:
+            # Only a planted symlink or file is the host's doing (tampering).
+            # EACCES, EIO, ESTALE, EMFILE ... are the filesystem's or ours: an
+            # OSError the caller treats as a miss or a skipped spill, never as
+            # an integrity failure (which may stop the daemon for good).
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise StoreIntegrityError(
+                    f"shard {shard} is not a directory ({e.strerror})"
+                ) from None
+            raise
         try:
             os.mkdir(shard, 0o700, dir_fd=self._root)
         except FileExistsError:
@@ -233,8 +243,11 @@ class StoreDir:
 
     def read(self, name: str, max_bytes: int) -> tuple[bytearray, FileIdent] | None:
         """A private snapshot of the record ``name`` and the inode it came
-        from; None if there is none. Raises :class:`NotARegularFile` or
-        :class:`LengthMismatch` (over ``max_bytes``) without reading."""
+        from; None if there is none, and None (unread) for a record over
+        ``max_bytes``: a replica configured for larger blocks may share the
+        store, so an oversized record is a miss, not tampering (it is left in
+        place; eviction reclaims it). Raises :class:`NotARegularFile` without
+        reading."""
         sfd = self._shard_fd(self.shard_of(name), create=False)
         if sfd is None:
             return None
@@ -254,7 +267,7 @@ class StoreDir:
             if not stat.S_ISREG(st.st_mode):
                 raise NotARegularFile(f"record {name} is not a regular file")
             if st.st_size > max_bytes:
-                raise LengthMismatch(f"record {name} has {st.st_size} bytes; at most {max_bytes}")
+                return None
             buf = bytearray(st.st_size)
             n = 0
             with memoryview(buf) as view:
@@ -323,15 +336,22 @@ class StoreDir:
         finally:
             os.close(sfd)
 
-    def publish(self, name: str, data: bytes | bytearray, *, replace: bool) -> bool:
+    def publish(
+        self, name: str, data: bytes | bytearray, *, replace: bool, sync_dir: bool = False
+    ) -> bool:
         """Publish ``data`` as ``name`` atomically (see the module docstring).
         ``replace=False``: only if no record has that name (first writer
-        wins); returns False when one had. The temporary file never outlives
-        the call, whatever fails."""
+        wins); returns False when one had. ``sync_dir`` (scope markers): on a
+        durable store the shard directory is fsynced after the rename, so the
+        new name survives a crash. The temporary file never outlives the
+        call, whatever fails."""
         sfd = self._shard_fd(self.shard_of(name), create=True)
         assert sfd is not None  # created on demand
         try:
-            return self._publish_in(sfd, name, data, replace=replace)
+            done = self._publish_in(sfd, name, data, replace=replace)
+            if done and sync_dir and self.durable:
+                os.fsync(sfd)
+            return done
         finally:
             os.close(sfd)
 

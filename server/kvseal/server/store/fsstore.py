@@ -22,12 +22,18 @@ Contract:
   :class:`~.errors.StoreIntegrityError` subclass, after the object has been
   removed (never quarantined: a quarantine the host can fill is a second
   capacity to bound). Misses, not errors: no object, no scope marker, a
-  scope whose epoch changed while the get ran, and a replay this process can
-  recognise (below). A different deployment key computes different names,
-  so it sees only misses; it never gets another key's bytes.
-- Filesystem failures that are not tampering (EIO, EACCES, ENOSPC, ...)
-  propagate as ``OSError``; the caller treats them as a miss or a skipped
-  spill.
+  scope whose epoch changed while the get ran, a record larger than this
+  store's ``max_object_bytes`` or of a record version this code does not
+  read (a replica configured or built differently may share the store: left
+  in place), and a replay this process can recognise (below). A different
+  deployment key computes different names, so it sees only misses; it never
+  gets another key's bytes.
+- Filesystem failures that are not tampering (EIO, EACCES, ESTALE, EMFILE,
+  ENOSPC, ...) propagate as ``OSError``; the caller treats them as a miss or
+  a skipped spill. Only a symlink or file planted where a shard directory
+  belongs is an integrity failure (``fsio``).
+- ``delete(ns, tenant, block_hash)``: removes one block's object in the
+  tenant's current epoch.
 - ``contains(...)``: whether an object sits at the block's name (nothing
   read or verified: a later ``get`` may still fail or miss).
 - ``delete_tenant(ns, tenant)``: the tenant's store epoch is replaced
@@ -65,6 +71,7 @@ from kvseal.server.store.errors import (
     ScopeChanged,
     StoreIntegrityError,
     StoreLayoutError,
+    UnsupportedVersion,
 )
 from kvseal.server.store.fsio import LAYOUT_FILE, MAX_FANOUT, StoreDir, Usage
 from kvseal.server.store.keys import StoreKeys
@@ -288,19 +295,24 @@ class FsStore:
             rkey = self._scopes.record_key(scope, header.salt)
             binding = Binding(namespace, tenant, scope.epoch_id, block_hash)
             plaintext = open_record(rkey, data, header, binding)
-        except ScopeChanged:
+        except (ScopeChanged, UnsupportedVersion):
+            # A newer replica's record format is not tampering: a miss, kept.
             self._count(misses=1)
             return None
         except StoreIntegrityError:
             self._dir.remove(name, ident)
             self._count(integrity_failures=1)
             raise
-        if self._is_replay(name, header.generation):
-            wipe(plaintext)
-            self._dir.remove(name, ident)
-            self._count(replays=1, misses=1)
-            return None
-        self._dir.touch(name)
+        try:
+            if self._is_replay(name, header.generation):
+                wipe(plaintext)
+                self._dir.remove(name, ident)
+                self._count(replays=1, misses=1)
+                return None
+            self._dir.touch(name)
+        except BaseException:
+            wipe(plaintext)  # an OSError here (EIO, EACCES) is a miss: no plaintext left
+            raise
         self._count(hits=1)
         return plaintext
 
@@ -313,7 +325,26 @@ class FsStore:
             return False
         if scope is None:
             return False
-        return self._dir.exists(
+        name = self._keys.object_name(namespace, tenant, scope.epoch_id, block_hash)
+        try:
+            return self._dir.exists(name)
+        except StoreIntegrityError:
+            # A planted shard symlink: nothing is read here, so no policy runs
+            # (a get of the block meets it and applies the policy).
+            return False
+
+    def delete(self, namespace: bytes, tenant: bytes, block_hash: bytes) -> bool:
+        """Remove the block's object in the tenant's current epoch (a
+        ``Drop(block_hashes)``); True if one was there. Objects of other
+        epochs are unreachable already. Raises ``OSError`` and
+        :class:`StoreIntegrityError` (a failing scope marker, removed)."""
+        try:
+            scope = self._scope(namespace, tenant, create=False)
+        except ScopeChanged:
+            return False
+        if scope is None:
+            return False
+        return self._dir.remove(
             self._keys.object_name(namespace, tenant, scope.epoch_id, block_hash)
         )
 

@@ -49,7 +49,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvseal.server.keyarena import KeySlot, fill_random
-from kvseal.server.store.errors import LengthMismatch, ScopeChanged, StoreIntegrityError
+from kvseal.server.store.errors import (
+    LengthMismatch,
+    ScopeChanged,
+    StoreIntegrityError,
+    UnsupportedVersion,
+)
 from kvseal.server.store.fsio import MARKER_SUFFIX, StoreDir
 from kvseal.server.store.keys import EPOCH_ID_BYTES, SEED_BYTES, StoreKeys
 from kvseal.server.store.keysource import wipe
@@ -203,7 +208,10 @@ class ScopeTable:
             return None
         data, ident = got
         try:
-            header = RecordHeader.parse(data, max_ct_len=_PAYLOAD_BYTES)
+            try:
+                header = RecordHeader.parse(data, max_ct_len=_PAYLOAD_BYTES)
+            except UnsupportedVersion:
+                return None  # a newer writer's marker: no epoch this code can use
             header.expect(KIND_SCOPE, self._keys.key_id)
             if header.ct_len != _PAYLOAD_BYTES:
                 raise LengthMismatch(f"a scope marker holds {header.ct_len} bytes, not 40")
@@ -233,7 +241,8 @@ class ScopeTable:
             )
             rkey = self._keys.record_key(None, KIND_SCOPE, header.salt)
             data = seal(rkey, header, Binding(*key), payload)
-            if not self._dir.publish(self.marker_name(*key), data, replace=replace):
+            # sync_dir: a marker rename lost in a crash would undo a drop.
+            if not self._dir.publish(self.marker_name(*key), data, replace=replace, sync_dir=True):
                 return None
             return self._adopt(key, epoch_id, seed, now)
         finally:
