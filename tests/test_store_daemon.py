@@ -78,6 +78,42 @@ def test_restart_with_key_file_restores_from_store(
         assert c.lookup(h.pool_id, tenant_digest("user-b"), hashes).hit_blocks == 0
 
 
+def test_lookup_states_report_store_blocks_past_a_gap(
+    tmp_path: Path, daemon_factory: Factory, pool_factory: Callable[..., SharedKVPool]
+) -> None:
+    """After a restart, a Lookup's ``states`` say READY for every block the
+    store holds, also after a block neither tier holds (the vLLM mirror's
+    discovery asks about several requests' blocks in one Lookup and reads the
+    states); ``hit_blocks`` stays the leading READY run, host or store."""
+    store, key = tmp_path / "store", key_file(tmp_path / "key")
+    flags = store_flags(store, f"file:{key}")
+    pool = pool_factory(num_pages=8)
+    fill_random(pool)
+    tenant = tenant_digest("user-a")
+    per = pool.shape.tokens_per_page
+    stored = chain(4, per, b"user-a")
+    a = daemon_factory(*flags)
+    with a.client() as c:
+        h = c.register_pool("engine", FP, pool.geometry())
+        c.offload(h.pool_id, tenant, stored, [0, 1, 2, 3])
+    wait_objects(store, 4)
+    assert a.stop() == 0
+    b = daemon_factory(*flags)  # empty host tier, the same store
+    x, y = chain(1, per, b"never"), chain(1, per, b"stored")
+    host = chain(1, per, b"host-only")  # stored after the restart: host tier (and store)
+    ready, absent = pb.BLOCK_READY, pb.BLOCK_ABSENT
+    with b.client() as c:
+        h = c.register_pool("engine", FP, pool.geometry())
+        c.offload(h.pool_id, tenant, host, [4])
+        r = c.lookup(h.pool_id, tenant, [*x, stored[0], stored[1], *y, stored[2], *host])
+        assert r.hit_blocks == 0
+        assert list(r.states) == [absent, ready, ready, absent, ready, ready]
+        r = c.lookup(h.pool_id, tenant, [stored[0], *host, stored[1], *x, stored[3]])
+        assert r.hit_blocks == 3 and list(r.states) == [ready, ready, ready, absent, ready]
+        r = c.lookup(h.pool_id, tenant_digest("user-b"), [*x, *stored])
+        assert r.hit_blocks == 0 and list(r.states) == [absent] * 5
+
+
 def test_local_key_serves_only_its_own_lifetime(
     tmp_path: Path, daemon_factory: Factory, pool_factory: Callable[..., SharedKVPool]
 ) -> None:

@@ -20,8 +20,9 @@ everything else here runs on one background thread. Contract:
   bounded (blocks and snapshot bytes): a spill that does not fit is skipped
   and counted, never waited for. A block the host tier let go before its
   turn, or whose tenant was dropped meanwhile, is skipped.
-- **Lookups** (:meth:`extend_lookup`) extend the host tier's READY prefix
-  with blocks present in the store (a name check, nothing read).
+- **Lookups** (:meth:`extend_lookup`) report every block present in the
+  store READY (a name check, nothing read), after the host tier's READY
+  prefix too, and extend the prefix with them.
 - **Restores** (:meth:`promote`): blocks absent from the host tier are read
   from the store and verified there (``FsStore.get``: the whole record
   authenticated against namespace, tenant, epoch and hash), then sealed into
@@ -144,22 +145,27 @@ class StoreTier:
     def extend_lookup(
         self, ns: bytes, tenant: bytes, hashes: Sequence[bytes], hit: int, states: list[State]
     ) -> int:
-        """The READY prefix of ``hashes`` counting blocks the store holds: from
-        ``hit`` on, each ABSENT block present in the store is reported READY
-        (``states`` updated) until the first that is not. A filesystem error
-        ends the prefix there."""
+        """The READY prefix of ``hashes`` counting blocks the store holds, with
+        ``states`` updated in place: from ``hit`` (the host tier's READY prefix)
+        on, *every* ABSENT block whose object is in the store is reported READY
+        (one name check each, nothing read), not only those up to the first
+        miss, so a caller that reads ``states`` sees store blocks past a gap
+        (the vLLM mirror's discovery asks about several requests' blocks in
+        one Lookup). The returned prefix is the leading run of READY states
+        (host or store) and is never shorter than ``hit``. A filesystem error
+        ends the checks there: the later blocks keep the host tier's states."""
         found = 0
         try:
-            while hit < len(hashes) and states[hit] is State.ABSENT:
-                if not self.store.contains(ns, tenant, hashes[hit]):
-                    break
-                states[hit] = State.READY
-                hit += 1
-                found += 1
+            for i in range(hit, len(hashes)):
+                if states[i] is State.ABSENT and self.store.contains(ns, tenant, hashes[i]):
+                    states[i] = State.READY
+                    found += 1
         except OSError as e:
             self._note_error("lookup", e)
         if found:
             self._add(lookup_hits=found)
+        while hit < len(states) and states[hit] is State.READY:
+            hit += 1
         return hit
 
     def stored(self, ns: bytes, tenant: bytes, entries: Sequence[Entry]) -> None:
