@@ -34,7 +34,6 @@ from kvseal.server.errors import (
     CapacityExhausted,
     IntegrityFailure,
     ShuttingDown,
-    StoreUnavailable,
     UnknownPool,
 )
 from kvseal.server.events import EventBus, EventKind, Subscription
@@ -596,14 +595,16 @@ class SealedCache:
             raise BadRequest("give either block_hashes or all_of_tenant, not both")
         if not all_of_tenant:
             check_hashes(hashes, self.config.max_batch_blocks)
-        destroyed = 0
-        store_failed: Exception | None = None
+        destroyed, tier = 0, self.store
         with self.pools.use(pool_id) as pool:
-            if all_of_tenant and self.store is not None:  # first: see cache.storetier
-                store_failed = self.store.drop_tenant(pool.namespace, tenant)
-            if all_of_tenant:
-                destroyed = self.sealer.destroy_scope(pool.namespace, tenant)
-            removed = self.index.drop(pool.namespace, tenant, None if all_of_tenant else hashes)
+            ns = pool.namespace  # the store's fences go around the host tier's drop
+            fence = tier and tier.begin_drop(ns, tenant, hashes, all_of_tenant=all_of_tenant)
+            try:
+                if all_of_tenant:
+                    destroyed = self.sealer.destroy_scope(ns, tenant)
+                removed = self.index.drop(ns, tenant, None if all_of_tenant else hashes)
+            finally:  # always: an open fence would stop the tenant's spills for good
+                store_failed = tier.end_drop(fence) if tier and fence else None
         if destroyed:
             self.backend.retire_keys()
             log.info(
@@ -615,10 +616,7 @@ class SealedCache:
             )
         self._count(pool, dropped_blocks=len(removed), key_scopes_destroyed=1 if destroyed else 0)
         if store_failed is not None:
-            raise StoreUnavailable(
-                "the host tier dropped the tenant, but its store epoch could not be "
-                f"replaced ({type(store_failed).__name__}); retry the drop"
-            )
+            raise store_failed
         return len(removed)
 
     def close(self, timeout: float = 30.0) -> bool:

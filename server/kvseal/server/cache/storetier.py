@@ -34,12 +34,41 @@ everything else here runs on one background thread. Contract:
   applies ``--on-integrity-failure`` exactly as for the host region (the
   store already removed the object). A miss or an ``OSError`` (EIO, EACCES,
   an NFS hiccup: not tampering) is a miss, counted and logged.
-- **Drops** (:meth:`drop_tenant`, called by ``Drop(all_of_tenant)`` before
-  the host tier's keys are destroyed): the tenant's store epoch is rotated
-  (``FsStore.delete_tenant``), every spill queued before it is discarded (a
-  drop counter: drops are rare, and a late spill must not republish a dropped
-  tenant's block under its new epoch), and promotions that read the store
-  before it are abandoned or waited for (then the index drop removes them).
+- **Drops** (:meth:`begin_drop` before the host tier's keys and entries go,
+  :meth:`end_drop` after the index drop; both under the spill lock, so a
+  spill's check-and-put is never split by them). Each (namespace, tenant)
+  has a *fence* (:class:`_Fence`): a drop counter every spill carries from
+  the moment it is queued (or, for an eviction snapshot, reserved), a count
+  of drops in progress, and a change counter promotions carry.
+
+  ``Drop(all_of_tenant)``: ``begin_drop`` bumps the tenant's counter,
+  rotates its store epoch (``FsStore.delete_tenant``) and waits up to
+  ``DROP_WAIT_S`` for the tenant's promotions in flight (a promotion still
+  running then fails the drop with UNAVAILABLE: the host tier is dropped
+  anyway, the caller retries). ``end_drop`` bumps the counter again and
+  discards the tenant's queued spills. A spill publishes only if its counter
+  is still current and no drop of its tenant is in progress, so nothing
+  queued before the drop *or inside its window* (an offload of the tenant
+  committing between the epoch rotation and the index drop) ever publishes a
+  pre-drop block under the new epoch; a spill queued after ``end_drop`` is
+  either post-drop data (a fresh key) or finds its block gone. Other
+  tenants' spills are untouched.
+
+  ``Drop(block_hashes)``: ``end_drop`` discards the queued (and running)
+  spills of those hashes and deletes each one's object in the tenant's
+  current epoch (``FsStore.delete``). Descendants the index drop removed
+  are not deleted from the store: a Lookup no longer reaches them through
+  the dropped block's prefix, but a restore naming a descendant's hash
+  directly may still promote it.
+
+  Promotions check the change counter (bumped at both ends of every drop of
+  the tenant) in the same critical section as their ``begin_store``: a
+  promotion either reserved its entries before the drop began (the index
+  drop removes them) or is abandoned, so no block read from the store before
+  a drop is sealed back into the host tier after it.
+
+  The fences of dropped tenants are kept for the daemon's life (a few dozen
+  bytes each; drops are rare); those only promotions created are pruned.
 """
 
 from __future__ import annotations
@@ -55,7 +84,7 @@ from kvseal.server import telemetry
 from kvseal.server.backends.base import Region
 from kvseal.server.config import StorePolicy
 from kvseal.server.deadline import Deadline
-from kvseal.server.errors import BlockNotPresent, CapacityExhausted
+from kvseal.server.errors import BlockNotPresent, CapacityExhausted, StoreUnavailable
 from kvseal.server.index import Entry, Index, State
 from kvseal.server.sealing import (
     TAG_BYTES,
@@ -81,6 +110,7 @@ MAX_QUEUED_BYTES = 256 * 1024**2
 USAGE_REFRESH_S = 10.0
 # How long a drop waits for promotions that read the store before it.
 DROP_WAIT_S = 5.0
+ScopeKey = tuple[bytes, bytes]  # (namespace, tenant)
 
 
 @dataclass(slots=True)
@@ -90,11 +120,36 @@ class _Spill:
     ns: bytes
     tenant: bytes
     block_hash: bytes
-    drops: int  # the tier's drop count when queued (changed: discarded)
+    drops: int  # its tenant's drop count when queued (changed: discarded)
     size: int = 0
     sealed: bytearray | None = None  # spill policy: ciphertext || tag, retained epoch
     record: SealRecord | None = None
     generation: int = 0
+    cancelled: bool = False  # its block was dropped (Drop(block_hashes))
+
+
+@dataclass(slots=True)
+class _Fence:
+    """One (namespace, tenant)'s drop state (see the module docstring)."""
+
+    drops: int = 0  # Drop(all_of_tenant)s begun or ended: queued spills carry it
+    dropping_all: int = 0  # Drop(all_of_tenant)s in progress: no spill publishes
+    changes: int = 0  # every drop's begin and end: promotions carry it
+    dropping: int = 0  # drops of any kind in progress: no promotion seals
+    promoting: int = 0  # promotions in flight
+
+    def idle(self) -> bool:
+        return not (self.drops or self.dropping or self.changes or self.promoting)
+
+
+@dataclass(frozen=True, slots=True)
+class DropFence:
+    """A drop between :meth:`StoreTier.begin_drop` and :meth:`StoreTier.end_drop`."""
+
+    key: ScopeKey
+    hashes: tuple[bytes, ...]  # empty: all of the tenant
+    all_of_tenant: bool
+    failed: str | None  # why the store's part failed at the beginning
 
 
 @dataclass(slots=True)
@@ -130,10 +185,14 @@ class StoreTier:
         self._on_abort = on_abort
         self._queue: deque[_Spill] = deque()
         self._queued_bytes = 0
-        self._cv = threading.Condition()  # queue, drop count, promotions in flight
+        self._cv = threading.Condition()  # queue, fences, jobs in flight
         self._spill_lock = threading.Lock()  # a spill's check-and-put vs a drop
-        self._drops = 0
-        self._promoting = 0
+        # A promotion's fence check and begin_store vs a drop's bump (taken
+        # after _spill_lock, before _cv; never while the index lock is held).
+        self._fence_lock = threading.Lock()
+        self._fences: dict[ScopeKey, _Fence] = {}
+        self._copying: list[_Spill] = []  # eviction snapshots being copied
+        self._running: _Spill | None = None  # the spill thread's current job
         self._closed = False
         self._counts = _Counts()
         self._usage = (0, 0)  # (records, bytes) at the last rescan
@@ -177,7 +236,7 @@ class StoreTier:
                 if len(self._queue) >= MAX_QUEUED_BLOCKS:
                     self._counts.spills_skipped += 1
                     continue
-                self._queue.append(_Spill(ns, tenant, e.block_hash, self._drops))
+                self._queue.append(_Spill(ns, tenant, e.block_hash, self._drops_of(ns, tenant)))
             self._cv.notify()
 
     def evicting(self, victims: Sequence[Entry]) -> None:
@@ -191,6 +250,8 @@ class StoreTier:
             if rec is None or v.size > self.store.config.max_object_bytes:
                 self._add(spills_skipped=1)
                 continue
+            ns, tenant, h = v.key
+            job: _Spill | None = None
             with self._cv:
                 room = (
                     len(self._queue) < MAX_QUEUED_BLOCKS
@@ -198,25 +259,40 @@ class StoreTier:
                 )
                 if room:
                     self._queued_bytes += v.size  # reserved before the copy
-            if not room or not self._sealer.retain(rec.epoch):
+                    # The drop count is taken *before* the key is retained: a
+                    # drop after this point makes the job stale, one before it
+                    # destroyed the key (retain fails). Listed while copying so
+                    # a Drop(block_hashes) can cancel it.
+                    drops = self._drops_of(ns, tenant)
+                    job = _Spill(ns, tenant, h, drops, v.size, None, rec, v.generation)
+                    self._copying.append(job)
+            if job is None:
                 self._add(spills_skipped=1)
-                if room:
-                    with self._cv:
-                        self._queued_bytes -= v.size
                 continue
-            sealed = bytearray(v.size + TAG_BYTES)
-            n = self._region.read_into(v.extent.offset, memoryview(sealed)[: v.size])
-            sealed[v.size :] = rec.tag
-            ns, tenant, h = v.key
-            with self._cv:
-                if n != v.size:  # the host shrank the region: nothing to spill
+            retained = self._sealer.retain(rec.epoch)
+            try:
+                if not retained:
+                    raise KeyDestroyed("the victim's key is gone")
+                sealed = bytearray(v.size + TAG_BYTES)
+                n = self._region.read_into(v.extent.offset, memoryview(sealed)[: v.size])
+                sealed[v.size :] = rec.tag
+            except BaseException:
+                with self._cv:  # release the reservation whatever failed
+                    self._copying.remove(job)
                     self._queued_bytes -= v.size
                     self._counts.spills_skipped += 1
+                if retained:
                     self._sealer.forget(rec.epoch)
+                    raise
+                continue
+            with self._cv:
+                self._copying.remove(job)
+                job.sealed = sealed
+                if n != v.size or job.cancelled:  # the host shrank the region, or dropped
+                    self._discard(job)
+                    self._counts.spills_skipped += 1
                     continue
-                self._queue.append(
-                    _Spill(ns, tenant, h, self._drops, v.size, sealed, rec, v.generation)
-                )
+                self._queue.append(job)
                 self._cv.notify()
 
     def promote(
@@ -233,9 +309,11 @@ class StoreTier:
         if not absent:
             return []
         got: dict[bytes, bytearray] = {}
+        key = (ns, tenant)
         with self._cv:
-            drops = self._drops
-            self._promoting += 1
+            fence = self._fences.setdefault(key, _Fence())
+            fence.promoting += 1
+            changes = fence.changes
         try:
             for h in absent:
                 deadline.check("reading the store")
@@ -252,36 +330,88 @@ class StoreTier:
                 got[h] = plaintext
                 if len(plaintext) != size:  # not this pool's geometry: a miss
                     return []
-            with self._cv:
-                if self._drops != drops:
-                    return []  # a drop ran meanwhile: serve nothing read before it
-            self._seal_into_host(ns, tenant, hashes, got, size)
+            self._seal_into_host(ns, tenant, hashes, got, size, fence, changes)
             return []
         finally:
             for plaintext in got.values():
                 wipe(plaintext)
             with self._cv:
-                self._promoting -= 1
+                fence.promoting -= 1
+                if fence.idle() and self._fences.get(key) is fence:
+                    del self._fences[key]
                 self._cv.notify_all()
 
-    def drop_tenant(self, ns: bytes, tenant: bytes) -> Exception | None:
-        """Rotate the tenant's store epoch (before the host tier's keys go);
-        returns the error if the store could not (the caller still drops the
-        host tier, then reports it)."""
+    def begin_drop(
+        self, ns: bytes, tenant: bytes, hashes: Sequence[bytes], *, all_of_tenant: bool
+    ) -> DropFence:
+        """A drop's first fence, before the host tier's keys and entries go
+        (see the module docstring). For ``all_of_tenant``: rotates the
+        tenant's store epoch and waits for its promotions in flight. Never
+        raises for the store: what failed is carried to :meth:`end_drop`,
+        which the caller must call after the index drop, whatever happened."""
+        key = (ns, tenant)
+        failed: str | None = None
         with self._spill_lock:
+            with self._fence_lock, self._cv:
+                fence = self._fences.setdefault(key, _Fence())
+                fence.changes += 1
+                fence.dropping += 1
+                if all_of_tenant:
+                    fence.drops += 1
+                    fence.dropping_all += 1
+            if all_of_tenant:
+                try:
+                    self.store.delete_tenant(ns, tenant)
+                except (OSError, StoreError) as e:
+                    failed = f"its store epoch could not be replaced ({type(e).__name__})"
+                    log.error(
+                        "store: dropping tenant %s failed: %s: %s",
+                        telemetry.tenant_label(tenant), type(e).__name__, e,
+                    )  # fmt: skip
+        if all_of_tenant:
+            give_up = time.monotonic() + DROP_WAIT_S
             with self._cv:
-                self._drops += 1
-            try:
-                self.store.delete_tenant(ns, tenant)
-                failed: Exception | None = None
-            except (OSError, StoreError) as e:
-                failed = e
-                log.error("store: dropping tenant %s failed: %s", telemetry.tenant_label(tenant), e)
-        give_up = time.monotonic() + DROP_WAIT_S
-        with self._cv:
-            while self._promoting and (left := give_up - time.monotonic()) > 0:
-                self._cv.wait(left)
-        return failed
+                while fence.promoting and (left := give_up - time.monotonic()) > 0:
+                    self._cv.wait(left)
+                if fence.promoting and failed is None:
+                    # Abandoned at their check (never sealed back), but still
+                    # reading: do not claim the drop complete while they run.
+                    failed = f"{fence.promoting} store read(s) of the tenant still running"
+        return DropFence(key, () if all_of_tenant else tuple(hashes), all_of_tenant, failed)
+
+    def end_drop(self, drop: DropFence) -> StoreUnavailable | None:
+        """The drop's second fence, after the index drop: discard the spills
+        queued for what was dropped (all of the tenant's, or those of the
+        named hashes), delete the named blocks' objects, and close the
+        window. Returns the error to report (UNAVAILABLE: the host tier's
+        part was done; retrying the drop completes the store's)."""
+        ns, tenant = drop.key
+        failed = drop.failed
+        with self._spill_lock:
+            named = set(drop.hashes)
+            with self._cv:
+                self._cancel(drop.key, None if drop.all_of_tenant else named)
+            for h in drop.hashes:
+                try:
+                    self.store.delete(ns, tenant, h)
+                except (OSError, StoreError) as e:
+                    failed = (
+                        failed
+                        or f"a block's store object could not be deleted ({type(e).__name__})"
+                    )
+                    log.error(
+                        "store: deleting block %s failed: %s: %s", h.hex()[:16], type(e).__name__, e
+                    )
+            with self._fence_lock, self._cv:
+                fence = self._fences[drop.key]
+                fence.changes += 1  # promotions that read during the window are abandoned
+                fence.dropping -= 1
+                if drop.all_of_tenant:
+                    fence.drops += 1  # anything queued inside the window is stale
+                    fence.dropping_all -= 1
+        if failed is None:
+            return None
+        return StoreUnavailable(f"the host tier dropped the blocks, but {failed}; retry the drop")
 
     def sample(self) -> telemetry.StoreSample:
         """The store's counters and the last usage scan, for the metrics."""
@@ -332,18 +462,58 @@ class StoreTier:
 
     def _note_error(self, what: str, e: BaseException) -> None:
         self._add(errors=1)
-        log.warning("store %s: %s (treated as a miss)", what, e)
+        log.warning("store %s: %s: %s (treated as a miss)", what, type(e).__name__, e)
+
+    def _drops_of(self, ns: bytes, tenant: bytes) -> int:
+        """The tenant's drop count (under ``_cv``)."""
+        fence = self._fences.get((ns, tenant))
+        return 0 if fence is None else fence.drops
+
+    def _publishable(self, job: _Spill) -> bool:
+        """Whether no drop has touched ``job`` since it was queued (under ``_cv``)."""
+        fence = self._fences.get((job.ns, job.tenant))
+        if fence is None:
+            return not job.cancelled and job.drops == 0
+        return not job.cancelled and job.drops == fence.drops and not fence.dropping_all
+
+    def _cancel(self, key: ScopeKey, hashes: set[bytes] | None) -> None:
+        """Discard the queued spills of ``key`` (only of ``hashes`` unless
+        None) and mark those being copied or run cancelled (under ``_cv``)."""
+
+        def hit(job: _Spill) -> bool:
+            return (job.ns, job.tenant) == key and (hashes is None or job.block_hash in hashes)
+
+        kept: deque[_Spill] = deque()
+        while self._queue:
+            job = self._queue.popleft()
+            if hit(job):
+                self._discard(job)
+                self._counts.spills_skipped += 1
+            else:
+                kept.append(job)
+        self._queue = kept
+        for job in [*self._copying, *([self._running] if self._running else [])]:
+            if hit(job):
+                job.cancelled = True
 
     def _seal_into_host(
         self, ns: bytes, tenant: bytes, hashes: Sequence[bytes], got: dict[bytes, bytearray],
-        size: int,
+        size: int, fence: _Fence, changes: int,
     ) -> None:  # fmt: skip
         """Seal the verified plaintexts into new host-tier entries (the
-        request's own chain, so the parents link as an offload's would)."""
-        try:
-            plan = self._index.begin_store(ns, tenant, None, hashes, size)
-        except CapacityExhausted:
-            return  # everything pinned: the restore fails as a miss would
+        request's own chain, so the parents link as an offload's would),
+        unless a drop of the tenant began since ``changes`` was read: the
+        check and the reservation are one step under the fence lock, so a
+        drop either sees the entries (its index drop removes them) or the
+        promotion sees the drop."""
+        with self._fence_lock:
+            with self._cv:
+                if fence.changes != changes or fence.dropping:
+                    return  # a drop ran meanwhile: serve nothing read before it
+            try:
+                plan = self._index.begin_store(ns, tenant, None, hashes, size)
+            except CapacityExhausted:
+                return  # everything pinned: the restore fails as a miss would
         self.evicting(plan.evicted)
         records: list[SealRecord | None] = []
         try:
@@ -387,12 +557,16 @@ class StoreTier:
                 job = self._queue.popleft() if self._queue else None
                 if job is not None and job.sealed is not None:
                     self._queued_bytes -= job.size
+                self._running = job
             if job is not None:
                 try:
                     self._spill(job)
                 except Exception:
                     log.exception("store: a spill failed unexpectedly; the block stays host-only")
                     self._add(spills_skipped=1)
+                finally:
+                    with self._cv:
+                        self._running = None
             if time.monotonic() >= next_scan:  # also while spills keep coming
                 next_scan = time.monotonic() + USAGE_REFRESH_S
                 self._rescan()
@@ -418,9 +592,13 @@ class StoreTier:
                 return False
             if not self._sealer.retain(rec.epoch):
                 return False
-            sealed = bytearray(e.size + TAG_BYTES)
-            n = self._region.read_into(e.extent.offset, memoryview(sealed)[: e.size])
-            sealed[e.size :] = rec.tag
+            try:
+                sealed = bytearray(e.size + TAG_BYTES)
+                n = self._region.read_into(e.extent.offset, memoryview(sealed)[: e.size])
+                sealed[e.size :] = rec.tag
+            except BaseException:
+                self._sealer.forget(rec.epoch)  # retained above: released on every path
+                raise
             job.size, job.sealed, job.record, job.generation = e.size, sealed, rec, e.generation
         finally:
             self._index.complete_restore([e], release=False)
@@ -441,8 +619,10 @@ class StoreTier:
             ad = BlockAD(job.ns, job.tenant, job.block_hash, job.generation)
             self._sealer.open_into(rec, ad, memoryview(sealed), plaintext)
             with self._spill_lock:
-                if job.drops != self._drops:
-                    self._add(spills_skipped=1)  # a drop since it was queued
+                with self._cv:
+                    stale = not self._publishable(job)
+                if stale:
+                    self._add(spills_skipped=1)  # a drop since it was queued, or running
                     return
                 self.store.put(job.ns, job.tenant, job.block_hash, plaintext)
         except KeyDestroyed:
