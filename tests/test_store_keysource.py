@@ -230,6 +230,34 @@ def test_parse_key_source_spellings(tmp_path: Path) -> None:
             CdhKeySource("a/b/c", endpoint=endpoint)
 
 
+@pytest.mark.parametrize(
+    "endpoint",
+    ["http://127.0.0.1:8006", "http://127.9.9.9:1", "http://[::1]:8006", "http://LocalHost:80"],
+)
+def test_cdh_endpoint_on_the_loopback_is_accepted(endpoint: str) -> None:
+    assert CdhKeySource("a/b/c", endpoint=endpoint).endpoint == endpoint
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "http://10.0.0.5:8006",
+        "http://cdh.kube-system.svc:8006",
+        "http://[2001:db8::1]:8006",
+        "http://0.0.0.0:8006",
+        "http://127.0.0.1.nip.io:8006",
+        "http://[::ffff:10.0.0.5]:8006",
+    ],
+)
+def test_cdh_endpoint_off_the_loopback_needs_the_insecure_opt_in(endpoint: str) -> None:
+    """The CDH answers over plain HTTP: off the guest's loopback the key would
+    cross the host's network in the clear."""
+    with pytest.raises(KeySourceError, match=r"loopback.*--store-cdh-insecure-endpoint"):
+        parse_key_source("cdh:a/b/c", cdh_endpoint=endpoint)
+    src = parse_key_source("cdh:a/b/c", cdh_endpoint=endpoint, cdh_allow_remote=True)
+    assert isinstance(src, CdhKeySource) and src.endpoint == endpoint
+
+
 @pytest.mark.parametrize("spec", [KEY.hex(), base64.b64encode(KEY).decode(), "vault:" + KEY.hex()])
 def test_unknown_source_is_not_echoed(spec: str) -> None:
     """An operator who pastes the key itself into the flag must not see it in logs."""

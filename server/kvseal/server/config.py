@@ -116,6 +116,9 @@ class ServerConfig:
     store_bytes: int = 16 * 1024**3
     store_key: str = "local"  # local | file:PATH | cdh:REPO/TYPE/TAG
     store_cdh_endpoint: str = "http://127.0.0.1:8006"
+    # A CDH endpoint off the guest's loopback is refused unless this is set
+    # (the key would cross the host's network in plaintext; store.keysource).
+    store_cdh_insecure_endpoint: bool = False
     store_key_wait: float = 30.0  # seconds the cdh source retries while the CDH is not up
     store_policy: StorePolicy = StorePolicy.WRITE_THROUGH
     store_fsync: bool = True  # flush each record before it is published

@@ -178,7 +178,16 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store-cdh-endpoint",
         default=_env("KVSEAL_STORE_CDH_ENDPOINT", "http://127.0.0.1:8006"),
-        help="the confidential-data-hub's API for --store-key cdh:... [KVSEAL_STORE_CDH_ENDPOINT]",
+        help="the confidential-data-hub's API for --store-key cdh:...; must be on the "
+        "guest's loopback (127.0.0.0/8, ::1, localhost) [KVSEAL_STORE_CDH_ENDPOINT]",
+    )
+    p.add_argument(
+        "--store-cdh-insecure-endpoint",
+        action="store_true",
+        default=_env("KVSEAL_STORE_CDH_INSECURE_ENDPOINT", "") in ("1", "true", "yes"),
+        help="allow a --store-cdh-endpoint off the loopback: the deployment key then "
+        "crosses the host's network in plaintext (tests, or a path protected otherwise) "
+        "[KVSEAL_STORE_CDH_INSECURE_ENDPOINT]",
     )
     p.add_argument(
         "--store-key-wait",
@@ -251,6 +260,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         store_bytes=parse_size(args.store_bytes),
         store_key=args.store_key,
         store_cdh_endpoint=args.store_cdh_endpoint,
+        store_cdh_insecure_endpoint=args.store_cdh_insecure_endpoint,
         store_key_wait=args.store_key_wait,
         store_policy=StorePolicy(args.store_policy),
         store_fsync=args.store_fsync == "on",

@@ -111,7 +111,10 @@ def open_store(cfg: ServerConfig) -> FsStore | None:
         return None
     try:
         source = parse_key_source(
-            cfg.store_key, cdh_endpoint=cfg.store_cdh_endpoint, cdh_retry_for_s=cfg.store_key_wait
+            cfg.store_key,
+            cdh_endpoint=cfg.store_cdh_endpoint,
+            cdh_retry_for_s=cfg.store_key_wait,
+            cdh_allow_remote=cfg.store_cdh_insecure_endpoint,
         )
         key = source.load()
     except KeySourceError as e:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import http.client
+import ipaddress
 import os
 import re
 import stat
@@ -307,6 +308,13 @@ class CdhKeySource:
     response); ``retry_for_s`` keeps retrying retryable failures (connection
     refused, timeouts, 5xx) for that long, with a short backoff (0: one try).
     401/403/404 are never retried: the KBS answered, and the answer is no.
+
+    The endpoint must be on the guest's loopback (``127.0.0.0/8``, ``::1``,
+    ``localhost``): the CDH runs inside the confidential VM and answers over
+    plain HTTP, so a key fetched from any other host crosses a network the
+    host controls, in the clear. ``allow_remote`` (the operator's explicit
+    ``--store-cdh-insecure-endpoint``) lifts that, for tests and for
+    deployments that protect the path some other way.
     """
 
     def __init__(
@@ -316,6 +324,7 @@ class CdhKeySource:
         endpoint: str = DEFAULT_CDH_ENDPOINT,
         timeout_s: float = DEFAULT_CDH_TIMEOUT_S,
         retry_for_s: float = 0.0,
+        allow_remote: bool = False,
     ) -> None:
         parts = resource.split("/")
         if len(parts) != 3 or not all(_SEGMENT.fullmatch(p) and p != ".." for p in parts):
@@ -326,6 +335,12 @@ class CdhKeySource:
         url = urllib.parse.urlsplit(endpoint)
         if url.scheme != "http" or not url.hostname or url.path not in ("", "/") or url.query:
             raise KeySourceError("the CDH endpoint must be http://host:port (no path)")
+        if not allow_remote and not _is_loopback(url.hostname):
+            raise KeySourceError(
+                "the CDH endpoint must be on this guest's loopback (127.0.0.0/8, ::1 or "
+                "localhost): the key would cross the host's network in plaintext; "
+                "--store-cdh-insecure-endpoint allows another host"
+            )
         if not 0 < timeout_s <= 600 or not 0 <= retry_for_s <= 3600:
             raise KeySourceError("CDH timeout must be in (0, 600] s and retries in [0, 3600] s")
         self.resource = resource
@@ -428,16 +443,28 @@ def _status_error(status: int, where: str) -> KeySourceError:
     return KeySourceError(f"{where} answered an unexpected HTTP {status}")
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (a URL's hostname) names this machine's loopback."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # any other name resolves through DNS the host may answer
+
+
 def parse_key_source(
     spec: str,
     *,
     cdh_endpoint: str = DEFAULT_CDH_ENDPOINT,
     cdh_timeout_s: float = DEFAULT_CDH_TIMEOUT_S,
     cdh_retry_for_s: float = 0.0,
+    cdh_allow_remote: bool = False,
 ) -> KeySource:
     """The source an operator named: ``local``, ``file:<path>`` or
     ``cdh:<repo>/<type>/<tag>``. An unknown spelling is refused without
-    echoing it (it might be the key itself)."""
+    echoing it (it might be the key itself). ``cdh_allow_remote``: see
+    :class:`CdhKeySource` (a non-loopback endpoint is refused without it)."""
     if spec == "local":
         return LocalKeySource()
     if spec.startswith("file:"):
@@ -448,6 +475,7 @@ def parse_key_source(
             endpoint=cdh_endpoint,
             timeout_s=cdh_timeout_s,
             retry_for_s=cdh_retry_for_s,
+            allow_remote=cdh_allow_remote,
         )
     raise KeySourceError(
         f"unknown store key source ({len(spec)} characters, not shown): expected local, "
