@@ -67,8 +67,9 @@ everything else here runs on one background thread. Contract:
   drop removes them) or is abandoned, so no block read from the store before
   a drop is sealed back into the host tier after it.
 
-  The fences of dropped tenants are kept for the daemon's life (a few dozen
-  bytes each; drops are rare); those only promotions created are pruned.
+  The fence of a tenant dropped with ``all_of_tenant`` is kept for the
+  daemon's life (a few dozen bytes; such drops are rare, and a queued spill
+  compares against it); other fences go when no drop or promotion uses them.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ DROP_WAIT_S = 5.0
 ScopeKey = tuple[bytes, bytes]  # (namespace, tenant)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: jobs are found in lists by `is`
 class _Spill:
     """One block on its way to the store."""
 
@@ -139,7 +140,10 @@ class _Fence:
     promoting: int = 0  # promotions in flight
 
     def idle(self) -> bool:
-        return not (self.drops or self.dropping or self.changes or self.promoting)
+        """Nothing refers to this fence: it may be forgotten. Never once a
+        Drop(all_of_tenant) counted (queued spills compare against ``drops``);
+        ``changes`` matters only to promotions in flight."""
+        return not (self.drops or self.dropping or self.promoting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +413,8 @@ class StoreTier:
                 if drop.all_of_tenant:
                     fence.drops += 1  # anything queued inside the window is stale
                     fence.dropping_all -= 1
+                if fence.idle():  # Drop(block_hashes) is frequent: keep no state for it
+                    del self._fences[drop.key]
         if failed is None:
             return None
         return StoreUnavailable(f"the host tier dropped the blocks, but {failed}; retry the drop")
