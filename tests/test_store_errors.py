@@ -156,3 +156,26 @@ def test_delete_removes_one_block_of_the_current_epoch(make_store: MakeStore) ->
     assert s.get(NS, T1, h("a")) == bytearray(b"a" * 100)
     assert s.get(NS, T1, h("c")) == bytearray(b"c" * 100)
     assert s.delete(NS, h("nobody"), h("a")) is False
+
+
+def test_contains_meets_a_planted_shard_symlink_as_a_miss(
+    make_store: MakeStore, tmp_path: Path
+) -> None:
+    """A Lookup's name check reads nothing, so it never runs the integrity
+    policy (before: the StoreIntegrityError escaped the Lookup); a get of the
+    block meets the symlink and raises it."""
+    s = make_store(fanout=4)
+    marker_shard = Path(s.scope_path(NS, T1)).parent if s.put(NS, T1, h("0"), b"0") else None
+    assert marker_shard is not None
+    block = next(h(str(i)) for i in range(1, 64) if s.put(NS, T1, h(str(i)), b"x") and (
+        Path(s.object_path(NS, T1, h(str(i))) or "").parent != marker_shard
+    ))  # fmt: skip
+    shard = Path(s.object_path(NS, T1, block) or "").parent
+    (tmp_path / "elsewhere").mkdir()
+    for p in shard.iterdir():
+        p.unlink()
+    shard.rmdir()
+    shard.symlink_to(tmp_path / "elsewhere")
+    assert s.contains(NS, T1, block) is False
+    with pytest.raises(StoreIntegrityError, match="not a directory"):
+        s.get(NS, T1, block)
