@@ -89,8 +89,11 @@ def tables(res: dict[str, Any]) -> list[str]:
     out: list[str] = []
     arms = list(res["arms"])
     eb = {res["arms"][a].get("engine_blocks") for a in arms}
+    # SGLang arms report no block count (vLLM's cache_config_info): the size asked for.
+    seen = ", ".join(str(b) for b in sorted(eb, key=str) if b is not None)
+    where = f"as vLLM reports it: {seen}" if seen else f"as asked: {res.get('engine_blocks')}"
     out.append(
-        f"Engine KV cache as vLLM reports it: {', '.join(str(b) for b in sorted(eb, key=str))}"
+        f"Engine KV cache {where}"
         f" blocks of {res.get('block_tokens')} tokens; second tier {res.get('host_blocks')}"
         " blocks. *load*: the machine's 1-minute load average when the point ended"
         f" ({res.get('cpus')} CPUs)."
