@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from bench.serving.run import (
@@ -32,8 +31,6 @@ from bench.serving.run import (
     MAX_LEN,
     ROOT,
     Arm,
-    Client,
-    free_port,
 )
 from tests_vllm.daemon import Daemon
 
@@ -44,14 +41,6 @@ STUB = ROOT / "tests_sglang" / "stub"
 class SGLangArm(Arm):
     """An arm whose server is SGLang (see module doc); the rest of ``Arm``
     (CPU accounting, daemon Stats, stop) is shared."""
-
-    def __init__(self, name: str, model: Path, work: Path) -> None:
-        self.name, self.model, self.work = name, model, work / name
-        self.work.mkdir(parents=True, exist_ok=True)
-        self.daemon: Daemon | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = free_port()
-        self.client = Client(self.port, str(model))
 
     def start(self) -> float:
         t0 = time.monotonic()
