@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvseal.client import tenant_digest
+from kvseal.client import load_tenant_key, tenant_digest
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys
 from kvseal.vllm.mirror import DaemonMirror
@@ -49,7 +49,12 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-SHARED_TENANT = tenant_digest(None)
+# The deployment's tenant key ($KVSEAL_TENANT_KEY_FILE; docs/security-model.md,
+# "Tenants"), read once when the adapter is imported, so a key file others can
+# read fails the engine's start (ValueError) instead of silently weakening
+# every tenant digest. Unset: the unkeyed digests.
+TENANT_KEY = load_tenant_key()
+SHARED_TENANT = tenant_digest(None, key=TENANT_KEY)
 
 # The metric kvseal adds to vLLM's own /metrics (through the spec's
 # build_metric_definitions and the manager's get_stats; exposed with "_total").
@@ -249,7 +254,7 @@ class KVSealOffloadingManager(OffloadingManager):
 
     def _tenant_of(self, req_id: str) -> bytes:
         salt = _salts.get(req_id)
-        tenant = tenant_digest(salt) if salt else SHARED_TENANT
+        tenant = tenant_digest(salt, key=TENANT_KEY) if salt else SHARED_TENANT
         for m in self.mirrors:  # so each daemon streams this tenant's events to us
             m.introduce(tenant)
         return tenant
