@@ -89,3 +89,19 @@ def test_hashes_tenants_and_fingerprints() -> None:
     fp = keys.model_fingerprint(**base)  # type: ignore[arg-type]
     for field, value in (("model", "m2"), ("page_size", 32), ("tp_rank", 1), ("dtype", "float16")):
         assert keys.model_fingerprint(**{**base, field: value}) != fp  # type: ignore[arg-type]
+
+
+def test_batches_without_a_queued_load_leave_no_counter_state() -> None:
+    """SGLang starts layer-wise loading for every batch but finishes only
+    batches that loaded: a batch with nothing queued must not leave an entry
+    in the layer counter (one per batch would grow without bound)."""
+    from kvseal.sglang.linker import KVSealLinker
+    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter
+
+    linker = object.__new__(KVSealLinker)
+    linker._queued = {}
+    linker.layer_done_counter = LayerWiseLoadCounter(4)
+    for _ in range(1000):
+        assert linker.start_layer_wise_loading() == -1
+    assert linker.layer_done_counter.futures == {}
+    assert linker.finish_layer_wise_loading(-1) is True

@@ -285,12 +285,13 @@ class KVSealLinker(UnifiedCacheLinker):
         return self._queued.pop(rid, None) is not None
 
     def start_layer_wise_loading(self) -> int:
-        index = int(self.layer_done_counter.update_producer())
         pending, self._queued = self._queued, {}
         if not pending:
-            for layer in range(self.geometry.num_layers):
-                self.layer_done_counter.complete(index, layer)
-            return index
+            # Nothing to wait for ("verified" loads are done, or no load): -1 makes
+            # the forward's per-layer waits no-ops and finish() True. A counter
+            # index per batch would leak: SGLang finishes only batches with loads.
+            return -1
+        index = int(self.layer_done_counter.update_producer())
         ready = None
         if self.cuda:
             cuda: Any = torch.cuda  # Event is untyped in torch's stubs
