@@ -1,0 +1,298 @@
+"""A real vLLM engine restored from the store after its daemon restarted
+(issue 22, end to end): the engine of test_vllm_e2e.py (driver.Engine: CPU
+platform, tiny local Llama, greedy) with kvseal's connector and
+``kvseal_lookup_discovery`` on, against real daemons with a store tier
+(``--store-dir``, ``--store-key file:``) on one directory.
+
+One driver process (this file run as a script; vLLM spawns processes) runs
+four engines in turn on the same prompts (two tenants, each with three
+prompts sharing a 256-token prefix):
+
+- ``baseline``: no connector;
+- ``first``: kvseal against daemon 1, which writes every offloaded block
+  through to the store; the engine and the daemon then stop (SIGTERM);
+- ``second``: a new engine against daemon 2 (a new process: an empty host
+  tier, new host keys; the same directory and key file). A third tenant that
+  never stored asks the same prompts first, then the two tenants;
+- ``other_key``: a new engine against daemon 3, the same directory under
+  another key file: every block is a miss and the engine recomputes.
+
+The daemons' ``Stats`` and ``/metrics`` (``kvseal_store_*``, read with
+tests/store_helpers.py's ``scrape``) are read around each part; the tests
+assert on the JSON the driver writes. About 2.5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests_vllm.conftest import HERE, free_port
+
+PREFIX_TOKENS = 256  # shared by every prompt of a tenant (8 blocks)
+SUFFIX_TOKENS = 64
+PROMPTS = 3
+TENANTS = ("alice", "bob")  # they store, then come back after the restart
+STRANGER = "carol"  # never stored; asks alice's prompts after the restart
+STORE_METRICS = (
+    "kvseal_store_lookup_hit_blocks_total", "kvseal_store_hits_total",
+    "kvseal_store_promoted_blocks_total", "kvseal_store_spills_total",
+    "kvseal_store_integrity_failures_total", "kvseal_store_spill_queue",
+)  # fmt: skip
+
+
+# -- the driver (runs in its own process) ---------------------------------
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(22)
+    prefix = [rng.randrange(3, 1000) for _ in range(PREFIX_TOKENS)]
+    return [prefix + [rng.randrange(3, 1000) for _ in range(SUFFIX_TOKENS)] for _ in range(PROMPTS)]
+
+
+@contextmanager
+def _with_discovery() -> Iterator[None]:
+    """driver.Engine builds kvseal's one-line config itself; add
+    ``kvseal_lookup_discovery`` to its ``kv_connector_extra_config``. The
+    config class is swapped only until Engine builds its one instance (vLLM
+    itself, imported first, keeps the real class)."""
+    import vllm.config
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    real = vllm.config.KVTransferConfig
+
+    def config(**kw: Any) -> Any:
+        vllm.config.KVTransferConfig = real  # type: ignore[misc]
+        extra = {**kw["kv_connector_extra_config"], "kvseal_lookup_discovery": True}
+        return real(**{**kw, "kv_connector_extra_config": extra})
+
+    vllm.config.KVTransferConfig = config  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        vllm.config.KVTransferConfig = real  # type: ignore[misc]
+
+
+class _Part:
+    """One engine's run: its requests by tenant, and the daemon's figures."""
+
+    def __init__(self, model: str, daemon: Any, metrics_port: int) -> None:
+        from tests_vllm.driver import BLOCK, KV_BLOCKS, Engine
+
+        self.daemon, self.port = daemon, metrics_port
+        kv_bytes = KV_BLOCKS * BLOCK * 2 * 2 * 2 * 32 * 2  # as driver.py sizes it
+        with _with_discovery():
+            self.eng = Engine(model, kv_bytes, daemon.socket if daemon else None, free_port())
+        self.res: dict[str, Any] = {"runs": {}, "figures": {}}
+
+    def figures(self, name: str) -> None:
+        if self.daemon is not None:
+            from tests.store_helpers import scrape
+
+            m = scrape(self.port)
+            self.res["figures"][name] = {
+                **self.daemon.stats(), **{k: m.get(k, -1) for k in STORE_METRICS},
+            }  # fmt: skip
+
+    def tenant(self, salt: str) -> None:
+        """The prompts in turn, under ``salt``."""
+        self.res["runs"][salt] = [self.eng.run(p, salt) for p in _prompts()]
+
+    def spilled(self, expect: int) -> None:
+        """Wait until ``expect`` offloads reached the daemon and the store."""
+        from tests.store_helpers import scrape
+        from tests_vllm.helpers import wait_for
+
+        def done() -> bool:
+            m = scrape(self.port)
+            return (
+                self.daemon.stats()["offloaded_blocks"] >= expect
+                and m["kvseal_store_spill_queue"] == 0
+                and m["kvseal_store_spills_total"] >= expect
+            )
+
+        self.res["spilled"] = wait_for(done, 30)
+
+    def close(self) -> dict[str, Any]:
+        self.eng.llm.llm_engine.engine_core.shutdown()
+        if self.daemon is not None:
+            self.res["daemon_rc"] = self.daemon.stop()
+        return self.res
+
+
+def main() -> None:
+    import argparse
+    import atexit
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from tests.store_helpers import key_file
+    from tests_vllm.daemon import Daemon
+    from tests_vllm.driver import BLOCK
+    from tests_vllm.test_store import _store_flags
+
+    work = Path(args.workdir)
+    store = work / "store"
+    keys = [key_file(work / "key-1"), key_file(work / "key-2")]
+    res: dict[str, Any] = {}
+
+    def part(name: str, key: Path | None) -> _Part:
+        port = free_port()
+        d = None
+        if key is not None:
+            flags = (*_store_flags(store, key), "--metrics-address", f"127.0.0.1:{port}")
+            d = Daemon(work / f"daemon-{name}", extra=flags).start()
+            atexit.register(d.stop)  # also when this driver fails
+        return _Part(args.model, d, port)
+
+    # Every full block of a tenant's prompts, once (the outputs never fill one).
+    per_tenant = (PREFIX_TOKENS + PROMPTS * SUFFIX_TOKENS) // BLOCK
+
+    p = part("baseline", None)
+    for t in TENANTS:
+        p.tenant(t)
+    p.tenant(STRANGER)
+    res["baseline"] = p.close()
+
+    p = part("first", keys[0])
+    p.figures("start")
+    for t in TENANTS:
+        p.tenant(t)
+    p.spilled(len(TENANTS) * per_tenant)
+    p.figures("end")
+    res["first"] = p.close()
+
+    p = part("second", keys[0])
+    p.figures("start")
+    p.tenant(STRANGER)
+    p.figures("stranger")
+    for t in TENANTS:
+        p.tenant(t)
+    p.figures("end")
+    res["second"] = p.close()
+
+    p = part("other_key", keys[1])
+    p.figures("start")
+    for t in TENANTS:
+        p.tenant(t)
+    p.figures("end")
+    res["other_key"] = p.close()
+
+    Path(args.out).write_text(json.dumps(res))
+    os._exit(0)  # as driver.py: vLLM's atexit hooks can linger on 2 busy cores
+
+
+# -- the test ----------------------------------------------------------------
+
+
+def _delta(fig: dict[str, dict[str, float]], a: str, b: str) -> dict[str, float]:
+    return {k: fig[b][k] - fig[a][k] for k in fig[b]}
+
+
+def _outs(part: dict[str, Any], tenant: str) -> list[list[int]]:
+    return [r["out"] for r in part["runs"][tenant]]
+
+
+def _cached(part: dict[str, Any], tenant: str) -> list[int]:
+    return [r["cached"] for r in part["runs"][tenant]]
+
+
+@pytest.fixture(scope="module")
+def store_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("store-engine")
+    out = work / "result.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "OMP_WAIT_POLICY": "PASSIVE",  # spinning OMP threads would starve the daemons
+    }
+    with open(work / "driver.log", "wb") as f:
+        rc = subprocess.run(
+            [sys.executable, str(HERE / "test_store_engine.py"), "--model", str(tiny_model),
+             "--workdir", str(work), "--out", str(out)],
+            stdout=f, stderr=subprocess.STDOUT, cwd=work, timeout=600, env=env,
+        ).returncode  # fmt: skip
+    assert rc == 0 and out.exists(), (work / "driver.log").read_text(errors="replace")[-6000:]
+    r: dict[str, Any] = json.loads(out.read_text())
+    return r
+
+
+def test_engine_restored_from_the_store_after_a_daemon_restart(store_run: dict[str, Any]) -> None:
+    """(1) identical greedy tokens and (2) the restarted engine's prompts came
+    back whole from the store through the new daemon."""
+    from tests_vllm.driver import BLOCK
+
+    base, first, second = store_run["baseline"], store_run["first"], store_run["second"]
+    # The first engine stored every full block of both tenants, and the daemon
+    # wrote each through to the store before its clean stop.
+    assert first["spilled"], first["figures"]
+    f1 = _delta(first["figures"], "start", "end")
+    stored = len(TENANTS) * (PREFIX_TOKENS + PROMPTS * SUFFIX_TOKENS) // BLOCK
+    assert f1["offloaded_blocks"] == f1["kvseal_store_spills_total"] == stored
+    assert first["daemon_rc"] == 0
+    # The second daemon is a new process: its host tier starts empty.
+    assert second["figures"]["start"]["blocks_ready"] == 0
+    for t in TENANTS:
+        assert _outs(second, t) == _outs(first, t) == _outs(base, t)
+        # The first engine computed each tenant's first prompt; the restarted
+        # one got every prompt whole (every full block) from kvseal, its first
+        # prompt's too (the engine's own cache had only the stranger's blocks).
+        assert _cached(first, t)[0] == 0
+        want = [r["prompt_len"] // BLOCK * BLOCK for r in second["runs"][t]]
+        assert _cached(second, t) == want
+    # Every block the first engine stored was found by the mirror's discovery
+    # Lookups as a store block, read and verified from the store by the new
+    # daemon, promoted and restored into the engine, once.
+    f2 = _delta(second["figures"], "stranger", "end")
+    assert f2["lookups"] > 0
+    assert f2["kvseal_store_lookup_hit_blocks_total"] >= stored  # (a Lookup may ask again)
+    assert f2["kvseal_store_hits_total"] == f2["kvseal_store_promoted_blocks_total"] == stored
+    assert f2["restored_blocks"] == stored
+    assert f2["kvseal_store_integrity_failures_total"] == f2["integrity_failures"] == 0
+
+
+def test_a_tenant_that_never_stored_gets_nothing(store_run: dict[str, Any]) -> None:
+    """(3) The stranger asks alice's very prompts first on the new engine: no
+    restore, no store hit, the first prompt computed; its tokens are the
+    baseline's."""
+    base, second = store_run["baseline"], store_run["second"]
+    f = _delta(second["figures"], "start", "stranger")
+    assert f["restored_blocks"] == 0
+    assert f["kvseal_store_lookup_hit_blocks_total"] == 0
+    assert f["kvseal_store_hits_total"] == 0
+    assert _cached(second, STRANGER)[0] == 0
+    assert _outs(second, STRANGER) == _outs(base, STRANGER) == _outs(base, TENANTS[0])
+
+
+def test_a_daemon_with_another_key_misses_and_the_engine_recomputes(
+    store_run: dict[str, Any],
+) -> None:
+    """(4) The same directory under another deployment key: nothing is found
+    or restored, the engine recomputes, and the tokens stay the baseline's."""
+    base, other = store_run["baseline"], store_run["other_key"]
+    f = _delta(other["figures"], "start", "end")
+    assert f["restored_blocks"] == 0
+    assert f["kvseal_store_lookup_hit_blocks_total"] == 0
+    assert f["kvseal_store_hits_total"] == 0
+    assert f["kvseal_store_integrity_failures_total"] == 0
+    assert f["offloaded_blocks"] > 0  # it served (stored) all the same
+    for t in TENANTS:
+        assert _cached(other, t)[0] == 0
+        assert _outs(other, t) == _outs(base, t)
+
+
+if __name__ == "__main__":
+    main()
