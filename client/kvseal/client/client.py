@@ -142,6 +142,7 @@ class KVSealClient:
         timeout: float | None = None,
         hold_within_s: float | None = None,
         observer: bool = False,
+        identity: pb.DeploymentIdentity | None = None,
     ) -> PoolHandle:
         """Register (or replace) the pool named ``name``. ``owner_token``: the
         ``owner_token`` of an earlier handle for this name, which lets this engine
@@ -153,7 +154,9 @@ class KVSealClient:
         then (the ``kvseal-hold-within-ms`` request metadata). ``observer``: register
         an observer pool (no memory; ``geometry`` has no pages, buffers or segments
         and states ``block_bytes``): lookups, events and holds only, in the namespace
-        of the pools with that block geometry (see ``RegisterPoolRequest.observer``)."""
+        of the pools with that block geometry (see ``RegisterPoolRequest.observer``).
+        ``identity``: what replicas sharing a store must agree on; the daemon's
+        warnings come back in ``PoolHandle.warnings`` (the caller logs them)."""
         md: tuple[tuple[str, str], ...] = ()
         if hold_within_s is not None:
             md = ((HOLD_WITHIN_METADATA_KEY, str(max(1, round(hold_within_s * 1000)))),)
@@ -166,12 +169,18 @@ class KVSealClient:
                 backend=backend,
                 owner_token=owner_token,
                 observer=observer,
+                identity=identity,
             ),
             timeout,
             md,
         )
         return PoolHandle(
-            r.pool_id, r.namespace, r.block_bytes, r.server_instance, bytes(r.owner_token)
+            r.pool_id,
+            r.namespace,
+            r.block_bytes,
+            r.server_instance,
+            bytes(r.owner_token),
+            tuple(r.warnings),
         )
 
     def unregister_pool(self, pool_id: str) -> None:

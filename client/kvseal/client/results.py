@@ -16,6 +16,9 @@ class PoolHandle:
     # Proves this registration's ownership of its name (RegisterPool's owner_token);
     # not secret from the engine, but no business of logs.
     owner_token: bytes = field(default=b"", repr=False)
+    # RegisterPoolReply.warnings: why this pool's blocks may never meet another
+    # replica's (the daemon compared the request's DeploymentIdentity).
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -157,36 +157,54 @@ class PoolGeometry(_message.Message):
     def __init__(self, num_pages: _Optional[int] = ..., tokens_per_page: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("name", "model_fingerprint", "geometry", "backend", "owner_token", "observer")
+    __slots__ = ("name", "model_fingerprint", "geometry", "backend", "owner_token", "observer", "identity")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     OBSERVER_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_fingerprint: bytes
     geometry: PoolGeometry
     backend: Backend
     owner_token: bytes
     observer: bool
-    def __init__(self, name: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., owner_token: _Optional[bytes] = ..., observer: _Optional[bool] = ...) -> None: ...
+    identity: DeploymentIdentity
+    def __init__(self, name: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., owner_token: _Optional[bytes] = ..., observer: _Optional[bool] = ..., identity: _Optional[_Union[DeploymentIdentity, _Mapping]] = ...) -> None: ...
+
+class DeploymentIdentity(_message.Message):
+    __slots__ = ("label", "hash_algorithm", "hash_seed_check", "tenant_key_check", "hash_seed_random")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_CHECK_FIELD_NUMBER: _ClassVar[int]
+    TENANT_KEY_CHECK_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_RANDOM_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    hash_algorithm: str
+    hash_seed_check: bytes
+    tenant_key_check: bytes
+    hash_seed_random: bool
+    def __init__(self, label: _Optional[str] = ..., hash_algorithm: _Optional[str] = ..., hash_seed_check: _Optional[bytes] = ..., tenant_key_check: _Optional[bytes] = ..., hash_seed_random: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolReply(_message.Message):
-    __slots__ = ("pool_id", "namespace", "block_bytes", "backend", "server_instance", "owner_token")
+    __slots__ = ("pool_id", "namespace", "block_bytes", "backend", "server_instance", "owner_token", "warnings")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     namespace: bytes
     block_bytes: int
     backend: Backend
     server_instance: str
     owner_token: bytes
-    def __init__(self, pool_id: _Optional[str] = ..., namespace: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., server_instance: _Optional[str] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool_id: _Optional[str] = ..., namespace: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., server_instance: _Optional[str] = ..., owner_token: _Optional[bytes] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("pool_id",)
@@ -329,7 +347,7 @@ class StatsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("server_instance", "backend", "backend_detail", "host_bytes_capacity", "host_bytes_used", "blocks_ready", "blocks_pending", "blocks_pinned", "pools", "lookups", "lookup_hit_blocks", "offloaded_blocks", "offloaded_bytes", "restored_blocks", "restored_bytes", "evicted_blocks", "dropped_blocks", "integrity_failures", "integrity_policy", "key_epoch", "seals_under_current_key", "rekey_after", "host_region", "pool_holds", "scope")
+    __slots__ = ("server_instance", "backend", "backend_detail", "host_bytes_capacity", "host_bytes_used", "blocks_ready", "blocks_pending", "blocks_pinned", "pools", "lookups", "lookup_hit_blocks", "offloaded_blocks", "offloaded_bytes", "restored_blocks", "restored_bytes", "evicted_blocks", "dropped_blocks", "integrity_failures", "integrity_policy", "key_epoch", "seals_under_current_key", "rekey_after", "host_region", "pool_holds", "scope", "store_policy", "store_locality", "store_bytes_capacity", "store_bytes_used", "store_objects", "store_lookup_hit_blocks", "store_restored_blocks", "store_spilled_blocks", "store_evicted_blocks", "store_integrity_failures")
     SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +373,16 @@ class StatsReply(_message.Message):
     HOST_REGION_FIELD_NUMBER: _ClassVar[int]
     POOL_HOLDS_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
+    STORE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    STORE_LOCALITY_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    STORE_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    STORE_LOOKUP_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_RESTORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_SPILLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_INTEGRITY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     server_instance: str
     backend: Backend
     backend_detail: str
@@ -380,7 +408,17 @@ class StatsReply(_message.Message):
     host_region: str
     pool_holds: int
     scope: StatsScope
-    def __init__(self, server_instance: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_detail: _Optional[str] = ..., host_bytes_capacity: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., blocks_pending: _Optional[int] = ..., blocks_pinned: _Optional[int] = ..., pools: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., restored_blocks: _Optional[int] = ..., restored_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., integrity_policy: _Optional[str] = ..., key_epoch: _Optional[int] = ..., seals_under_current_key: _Optional[int] = ..., rekey_after: _Optional[int] = ..., host_region: _Optional[str] = ..., pool_holds: _Optional[int] = ..., scope: _Optional[_Union[StatsScope, str]] = ...) -> None: ...
+    store_policy: str
+    store_locality: str
+    store_bytes_capacity: int
+    store_bytes_used: int
+    store_objects: int
+    store_lookup_hit_blocks: int
+    store_restored_blocks: int
+    store_spilled_blocks: int
+    store_evicted_blocks: int
+    store_integrity_failures: int
+    def __init__(self, server_instance: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_detail: _Optional[str] = ..., host_bytes_capacity: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., blocks_pending: _Optional[int] = ..., blocks_pinned: _Optional[int] = ..., pools: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., restored_blocks: _Optional[int] = ..., restored_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., integrity_policy: _Optional[str] = ..., key_epoch: _Optional[int] = ..., seals_under_current_key: _Optional[int] = ..., rekey_after: _Optional[int] = ..., host_region: _Optional[str] = ..., pool_holds: _Optional[int] = ..., scope: _Optional[_Union[StatsScope, str]] = ..., store_policy: _Optional[str] = ..., store_locality: _Optional[str] = ..., store_bytes_capacity: _Optional[int] = ..., store_bytes_used: _Optional[int] = ..., store_objects: _Optional[int] = ..., store_lookup_hit_blocks: _Optional[int] = ..., store_restored_blocks: _Optional[int] = ..., store_spilled_blocks: _Optional[int] = ..., store_evicted_blocks: _Optional[int] = ..., store_integrity_failures: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("tenant", "pool_id")
@@ -391,7 +429,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, tenant: _Optional[bytes] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
-    __slots__ = ("sequence", "kind", "reason", "namespace", "tenant", "block_hashes", "medium")
+    __slots__ = ("sequence", "kind", "reason", "namespace", "tenant", "block_hashes", "medium", "locality", "restorable")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +437,8 @@ class BlockEvent(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    LOCALITY_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     kind: EventKind
     reason: RemovalReason
@@ -406,4 +446,6 @@ class BlockEvent(_message.Message):
     tenant: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     medium: str
-    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., reason: _Optional[_Union[RemovalReason, str]] = ..., namespace: _Optional[bytes] = ..., tenant: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+    locality: str
+    restorable: bool
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., reason: _Optional[_Union[RemovalReason, str]] = ..., namespace: _Optional[bytes] = ..., tenant: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ..., locality: _Optional[str] = ..., restorable: _Optional[bool] = ...) -> None: ...

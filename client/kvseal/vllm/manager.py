@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
@@ -55,6 +56,7 @@ from vllm.v1.kv_offload.base import (
 # every tenant digest. Unset: the unkeyed digests.
 TENANT_KEY = load_tenant_key()
 SHARED_TENANT = tenant_digest(None, key=TENANT_KEY)
+MAX_TIER_HELD = 1 << 20  # (medium, tenant, block)s counted for the tier events
 
 # The metric kvseal adds to vLLM's own /metrics (through the spec's
 # build_metric_definitions and the manager's get_stats; exposed with "_total").
@@ -148,6 +150,8 @@ class ManagerSpec(Protocol):
 
     def fingerprint(self, rank: int) -> bytes: ...
 
+    def identity(self, rank: int, tenant_key: bytes | None) -> pb.DeploymentIdentity: ...
+
     def geometry_template(self) -> pb.PoolGeometry: ...
 
 
@@ -190,6 +194,9 @@ class KVSealOffloadingManager(OffloadingManager):
         self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes on every rank
         self._events: queue.SimpleQueue[OffloadingEvent] = queue.SimpleQueue()
         self._reverse: dict[bytes, bytes] = {}  # kvseal hash -> vLLM hash (non-identity)
+        # (medium, tenant, hash) -> ranks whose daemon announced the block in that
+        # tier (daemons with a store: vLLM's events come from their streams).
+        self._tier_held: dict[tuple[str, bytes, bytes], int] = {}
         # hash -> tenant -> (until when a block being stored is a pending hit,
         # when its store began). Keyed by hash first: complete_store may come
         # after on_request_finished, when the request's tenant is no longer
@@ -210,6 +217,8 @@ class KVSealOffloadingManager(OffloadingManager):
                 self._changed,
                 update_lock=self._lock,
                 discovery=spec.discovery,
+                identity=spec.identity(rank, TENANT_KEY),
+                on_tier=self._tier_event,
             )
             for rank in range(self.world)
         ]
@@ -240,9 +249,46 @@ class KVSealOffloadingManager(OffloadingManager):
                 return
             # Removed: its vLLM hash is not needed after this event (bounded map).
             vh = self._reverse.get(h, h) if after else self._reverse.pop(h, h)
-        if self.spec.kv_events_config.enable_kv_cache_events:
+        if self.spec.kv_events_config.enable_kv_cache_events and not self._tiered(rank):
             okey = OffloadKey(keys.make_offload_key(vh, self.spec.group))
             self._events.put(OffloadingEvent(keys=[okey], medium=Medium.CPU, removed=not after))
+
+    def _tiered(self, rank: int) -> bool:
+        """Whether rank's daemon has a store tier (its events name their tier)."""
+        mirrors = getattr(self, "mirrors", ())  # not yet during construction
+        return rank < len(mirrors) and bool(mirrors[rank].store_policy)
+
+    def _tier_event(self, rank: int, ev: pb.BlockEvent) -> None:
+        """A daemon with a store tier: vLLM's KV events come from the daemons'
+        streams, a medium per tier (CPU: the host tier; STORAGE: the store, with
+        the daemon's locality), a block stored once every rank's daemon
+        announced it in that tier and removed once one no longer holds it
+        (presence changes the stream did not announce, e.g. a Lookup's answer,
+        are not events: each tier's own events say where a block is). Under
+        the manager's lock (the mirror's update lock)."""
+        if not self.spec.kv_events_config.enable_kv_cache_events or not self._tiered(rank):
+            return
+        stored = ev.kind == pb.BLOCK_STORED
+        medium = Medium.STORAGE if ev.medium == "storage" else Medium.CPU
+        where = {"local": Locality.LOCAL, "remote": Locality.REMOTE}.get(ev.locality)
+        if len(self._tier_held) > MAX_TIER_HELD:  # events lost somewhere: start over
+            self._tier_held.clear()
+        changed = []
+        for h in ev.block_hashes:
+            k = (ev.medium, bytes(ev.tenant), bytes(h))
+            n = self._tier_held.get(k, 0)
+            m = n + 1 if stored else max(0, n - 1)
+            if m:
+                self._tier_held[k] = m
+            else:
+                self._tier_held.pop(k, None)
+            if (n < self.world <= m) if stored else (m < self.world <= n):
+                vh = self._reverse.get(h, h)
+                changed.append(OffloadKey(keys.make_offload_key(vh, self.spec.group)))
+        if changed:
+            ev_out = OffloadingEvent(keys=changed, medium=medium, removed=not stored)
+            ev_out.locality = where if medium is Medium.STORAGE else None
+            self._events.put(ev_out)
 
     # ------------------------------------------------------------ helpers
 

@@ -50,24 +50,26 @@ from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError, PoolHold
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm.discovery import Discovery
 from kvseal.vllm.keys import observer_geometry
+from kvseal.vllm.mirror_rounds import RESYNC_BATCH, sweep_tenants, touch_round
 
 __all__ = ["DaemonMirror", "observer_geometry"]  # the geometry lives in keys
 
 log = logging.getLogger("kvseal.vllm")
 
-RESYNC_BATCH = 1024  # hashes per resynchronising Lookup (below the daemon's batch limit)
 # Recent removals remembered (at most this many, none older than TOMBSTONE_S,
 # well above a store job's bound): a store reported done after its block was
 # announced removed must not bring it back unverified.
 TOMBSTONES = 1 << 12
 TOMBSTONE_S = 60.0
-MAX_TENANTS = 1 << 16  # tenants remembered by one mirror (see the module doc)
 TENANT_IDLE_S = 300.0  # unused this long, with no block and nothing to verify: forgotten
 SWEEP_S = 1.0  # how often the background thread looks for idle tenants
 
 # (rank, tenant, hash, present) -> None: called on every change, under no lock
 # but the ``update_lock`` the mirror was given (if any).
 ChangeFn = Callable[[int, bytes, bytes, bool], None]
+# (rank, event): every event of the stream, as the daemon sent it (its medium,
+# locality, restorable), after the mirror applied it; under ``update_lock``.
+TierFn = Callable[[int, pb.BlockEvent], None]
 Key = tuple[bytes, bytes]  # (tenant, hash)
 
 
@@ -116,6 +118,8 @@ class DaemonMirror:
         update_lock: AbstractContextManager[Any] | None = None,
         discovery: bool = True,
         tenant_idle_s: float = TENANT_IDLE_S,
+        identity: pb.DeploymentIdentity | None = None,
+        on_tier: TierFn | None = None,
     ) -> None:
         self.rank = rank
         self.target = target
@@ -129,6 +133,9 @@ class DaemonMirror:
         self._fingerprint = fingerprint
         self._geometry = observer_geometry(geometry)
         self._on_change = on_change
+        self._on_tier = on_tier
+        self._identity = identity
+        self.warnings: tuple[str, ...] = ()  # the daemon's, at the last registration
         self._update_lock: AbstractContextManager[Any] = update_lock or nullcontext()
         self._retry_s = retry_s
         self._discovery = discovery
@@ -158,6 +165,8 @@ class DaemonMirror:
         self.host_bytes_capacity = 0
         self.block_bytes = 0
         self.integrity_policy = ""
+        self.store_policy = ""  # "" = the daemon has no store tier
+        self.store_locality = ""
         self.synced = threading.Event()  # set while the stream is live and resynced
         # Discovery (opt-in): blocks the daemon held before this mirror subscribed.
         self.discovery = Discovery(self)
@@ -304,14 +313,23 @@ class DaemonMirror:
             del rm[next(iter(rm))]
         return changed
 
-    def _set(self, tenant: bytes, hashes: Iterable[bytes], present: bool) -> None:
+    def _set(
+        self,
+        tenant: bytes,
+        hashes: Iterable[bytes],
+        present: bool,
+        event: pb.BlockEvent | None = None,
+    ) -> None:
         # The update lock first (the order every thread takes them in): the
         # batch reaches the mirror and on_change as one step for its holder.
+        # ``event``: the stream's event this is (passed on to on_tier).
         with self._update_lock:
             with self._lock:
                 changed = self._apply_locked(tenant, hashes, present)
             for h in changed:
                 self._on_change(self.rank, tenant, h, present)
+            if event is not None and self._on_tier is not None:
+                self._on_tier(self.rank, event)
 
     def _watch_begin(self) -> set[Key]:
         w: set[Key] = set()
@@ -422,28 +440,7 @@ class DaemonMirror:
                 self._stop.wait(self._retry_s)
 
     def _touch_round(self, todo: dict[bytes, dict[bytes, None]]) -> bool:
-        pool_id = self.pool_id
-        if pool_id is None or not todo:
-            return False  # tenants are named again after the next registration
-        retry = False
-        for tenant, hset in todo.items():
-            hl = list(hset)
-            for i in range(0, len(hl), RESYNC_BATCH):
-                try:
-                    n = self._client.touch(pool_id, tenant, hl[i : i + RESYNC_BATCH])
-                except KVSealRpcError as e:
-                    log.info("kvseal mirror %d: Touch failed: %s", self.rank, e)
-                    if tenant not in self.named and pool_id == self.pool_id:
-                        # Unnamed, the tenant's events (others' stores, evictions)
-                        # never reach this mirror: name it again (recency alone is
-                        # not worth a retry).
-                        self._intro_q.put((tenant, []))
-                        retry = True
-                    break
-                self.touched += n
-                if pool_id == self.pool_id:
-                    self.named.add(tenant)
-        return retry
+        return touch_round(self, todo)
 
     def _verify_round(self) -> bool:
         """One Lookup per tenant (per batch) of the blocks to verify (see
@@ -485,21 +482,7 @@ class DaemonMirror:
         return retry
 
     def _sweep(self, now: float) -> None:
-        """Forget idle tenants (module doc): from the least recently used on, each
-        one unused for ``tenant_idle_s`` (or beyond :data:`MAX_TENANTS`) with no
-        block here and nothing to verify. A tenant still holding blocks stays
-        (its evictions must keep reaching the mirror) and goes to the back."""
-        with self._tenants_lock:
-            for _ in range(len(self._tenants)):
-                tenant, last = next(iter(self._tenants.items()))
-                if len(self._tenants) <= MAX_TENANTS and now - last < self.tenant_idle_s:
-                    return
-                del self._tenants[tenant]
-                if tenant in self._ready or tenant in self._unverified or tenant in self._suspended:
-                    self._tenants[tenant] = now
-                else:
-                    self.named.discard(tenant)
-                    self.forgotten_tenants += 1
+        sweep_tenants(self, now)
 
     # ------------------------------------------------------------ stream
 
@@ -507,8 +490,16 @@ class DaemonMirror:
         # An observer pool maps nothing, on any backend (a CUDA daemon refuses
         # shared memory): the registration is only a namespace and a pool id.
         h = self._client.register_pool(
-            self._pool_name, self._fingerprint, self._geometry, observer=True
+            self._pool_name,
+            self._fingerprint,
+            self._geometry,
+            observer=True,
+            identity=self._identity,
         )
+        for w in h.warnings:
+            if w not in self.warnings:  # once per mirror, not per reconnection
+                log.warning("kvseal daemon %d (%s): %s", self.rank, self.target, w)
+        self.warnings = h.warnings
         if self.server_instance is not None and h.server_instance != self.server_instance:
             self.resets += 1
             self._clear()  # a restarted daemon: new key, empty cache
@@ -533,6 +524,7 @@ class DaemonMirror:
             self.backend = pb.Backend.Name(st.backend).removeprefix("BACKEND_").lower()
             self.host_bytes_capacity = int(st.host_bytes_capacity)
             self.integrity_policy = st.integrity_policy
+            self.store_policy, self.store_locality = st.store_policy, st.store_locality
         except KVSealRpcError as e:
             log.info("kvseal mirror %d: Stats failed: %s", self.rank, e)
         if self._hold is not None:
@@ -597,10 +589,12 @@ class DaemonMirror:
                 for ev in stream:
                     if ev.namespace != self.namespace:
                         continue
+                    # A removal from one tier of a block the other still holds
+                    # (restorable) leaves it restorable: the mirror keeps it.
                     if ev.kind == pb.BLOCK_STORED:
-                        self._set(ev.tenant, ev.block_hashes, True)
+                        self._set(ev.tenant, ev.block_hashes, True, ev)
                     elif ev.kind == pb.BLOCK_REMOVED:
-                        self._set(ev.tenant, ev.block_hashes, False)
+                        self._set(ev.tenant, ev.block_hashes, ev.restorable, ev)
                     if self._stop.is_set():
                         return
                 need_resync = True  # the stream ended: resubscribe and re-check

@@ -442,6 +442,16 @@ class KVSealOffloadingSpec(OffloadingSpec):
             tp_size=c.parallel.tp_size,
         )
 
+    def identity(self, rank: int, tenant_key: bytes | None) -> pb.DeploymentIdentity:
+        """What this rank's replicas must agree on (docs/store.md, "Replicas"):
+        labelled by ``kvseal_deployment_label`` (default: the model's last path
+        component) and the TP rank."""
+        c = self.config
+        name = str(self.extra_config.get("kvseal_deployment_label") or "")
+        name = name or str(c.model.name).rstrip("/").rsplit("/", 1)[-1]
+        label = f"{name}/tp{rank}of{c.parallel.tp_size}"
+        return keys.deployment_identity(label, self.hash_algo, tenant_key)
+
     def geometry_template(self) -> pb.PoolGeometry:
         """The pool geometry without buffers: what the namespace depends on.
         Block bytes are vLLM's page bytes of every layer (``layout`` says so:

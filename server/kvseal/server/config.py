@@ -121,6 +121,7 @@ class ServerConfig:
     store_cdh_insecure_endpoint: bool = False
     store_key_wait: float = 30.0  # seconds the cdh source retries while the CDH is not up
     store_policy: StorePolicy = StorePolicy.WRITE_THROUGH
+    store_locality: str = "local"  # the store events' locality: local | remote
     store_fsync: bool = True  # flush each record before it is published
     store_max_block_bytes: int = 16 * 1024**2  # blocks larger than this are not spilled
 

@@ -74,5 +74,7 @@ def event(ev: BlockEvent) -> pb.BlockEvent:
         namespace=ev.namespace,
         tenant=ev.tenant,
         block_hashes=list(ev.block_hashes),
-        medium="cpu",
+        medium=ev.medium,
+        locality=ev.locality,
+        restorable=ev.restorable,
     )

@@ -35,6 +35,9 @@ class BlockEvent:
     namespace: bytes
     tenant: bytes
     block_hashes: tuple[bytes, ...]
+    medium: str = "cpu"  # "cpu" (host tier) or "storage" (store tier)
+    locality: str = ""  # "storage": "local" or "remote"
+    restorable: bool = False  # REMOVED: still restorable from the other tier
 
 
 class Subscription:
@@ -92,17 +95,27 @@ class EventBus:
                 self._subs.remove(sub)
 
     def publish(
-        self, kind: EventKind, reason: str, ns: bytes, tenant: bytes, hashes: list[bytes]
+        self,
+        kind: EventKind,
+        reason: str,
+        ns: bytes,
+        tenant: bytes,
+        hashes: list[bytes],
+        *,
+        medium: str = "cpu",
+        locality: str = "",
+        restorable: bool = False,
     ) -> None:
         """Never blocks: a full subscriber queue marks that subscriber overflowed."""
         if not hashes:
             return
         block_hashes = tuple(hashes)
+        extra = (medium, locality, restorable)
         with self._lock:
             for sub in self._subs:
                 if sub.overflowed or not sub.accepts(ns, tenant):
                     continue
-                event = BlockEvent(sub.sequence + 1, kind, reason, ns, tenant, block_hashes)
+                event = BlockEvent(sub.sequence + 1, kind, reason, ns, tenant, block_hashes, *extra)
                 try:
                     sub.queue.put_nowait(event)
                 except queue.Full:

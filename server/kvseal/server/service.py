@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 from kvseal.server import convert, telemetry
+from kvseal.server.agreement import Agreement
 from kvseal.server.cache import SealedCache
 from kvseal.server.deadline import MAX_GRACE_MS, Deadline
 from kvseal.server.errors import (
@@ -237,6 +238,8 @@ class KVSealServicer(pb_grpc.KVSealServicer):
         self.cache = cache
         self.instance = instance
         self.on_done = on_done
+        # Replicas' registrations compared through the store (kvseal.server.agreement).
+        self.agreement = Agreement(cache.store.store if cache.store is not None else None)
         # Whether a call may see the daemon-wide Stats (--operator-uid; see
         # kvseal.server.daemon.daemon.operator_check).
         self.is_operator = is_operator
@@ -274,6 +277,9 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             backend=convert.BACKEND_ENUMS[self.cache.backend.kind],
             server_instance=self.instance,
             owner_token=reg.owner_token,
+            warnings=self.agreement.check(request.identity, reg.namespace)
+            if request.HasField("identity")
+            else (),
         )
 
     @handler
@@ -357,6 +363,11 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             host_region=self.cache.region.description,
             scope=pb.STATS_SCOPE_FACTS,
         )
+        tier = self.cache.store
+        if tier is not None:
+            facts.store_policy = tier.policy.value
+            facts.store_locality = tier.events.locality
+            facts.store_bytes_capacity = tier.store.config.capacity_bytes
         if request.pool_id:
             counts, blocks, nbytes = self.cache.pool_stats(request.pool_id)
             facts.scope = pb.STATS_SCOPE_POOL
@@ -384,6 +395,14 @@ class KVSealServicer(pb_grpc.KVSealServicer):
                 seals_under_current_key=sealer.seals_under_current_key,
             )
         )
+        if tier is not None:
+            st = tier.sample()
+            facts.store_bytes_used, facts.store_objects = st.bytes_used, st.objects
+            facts.store_lookup_hit_blocks = st.lookup_hits
+            facts.store_restored_blocks = st.promoted
+            facts.store_spilled_blocks = st.spills
+            facts.store_evicted_blocks = st.evictions
+            facts.store_integrity_failures = st.integrity_failures
         return facts
 
     def HoldPool(

@@ -25,6 +25,7 @@ from kvseal.server.cache.results import (
     RestoreResult,
     tier_sample,
 )
+from kvseal.server.cache.storeevents import publish_host_event
 from kvseal.server.cache.storetier import StoreTier
 from kvseal.server.config import IntegrityPolicy, ServerConfig
 from kvseal.server.deadline import NO_DEADLINE, Deadline
@@ -36,7 +37,7 @@ from kvseal.server.errors import (
     ShuttingDown,
     UnknownPool,
 )
-from kvseal.server.events import EventBus, EventKind, Subscription
+from kvseal.server.events import EventBus, Subscription
 from kvseal.server.index import Entry, Index, Removal, State
 from kvseal.server.pools import MappedPool, NoMemory, Pool, PoolRegistry, PoolSpec
 from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer, KeyDestroyed
@@ -92,7 +93,7 @@ class SealedCache:
         self.store = None if store is None else StoreTier(
             store, config.store_policy, self.index, region, sealer,
             abort_on_integrity=config.integrity_policy is IntegrityPolicy.ABORT,
-            on_abort=self._store_abort,
+            on_abort=self._store_abort, bus=self.events, locality=config.store_locality,
         )  # fmt: skip
 
     def _store_abort(self) -> None:
@@ -107,12 +108,8 @@ class SealedCache:
 
     def _on_event(self, kind: str, reason: Removal | None, entries: list[Entry]) -> None:
         """Called by the index under its lock: publish in index order."""
-        groups: dict[tuple[bytes, bytes], list[bytes]] = {}
-        for e in entries:
-            groups.setdefault((e.key[0], e.key[1]), []).append(e.block_hash)
-        ev_kind = EventKind.STORED if kind == "STORED" else EventKind.REMOVED
-        for (ns, tenant), hashes in groups.items():
-            self.events.publish(ev_kind, reason.name if reason else "", ns, tenant, hashes)
+        tier = self.store.events if self.store is not None else None
+        publish_host_event(self.events, tier, kind, reason, entries)
 
     # ---------------------------------------------------------------- state
 

@@ -37,7 +37,7 @@ everything else here runs on one background thread. Contract:
 - **Drops** (:meth:`begin_drop` before the host tier's keys and entries go,
   :meth:`end_drop` after the index drop; both under the spill lock, so a
   spill's check-and-put is never split by them). Each (namespace, tenant)
-  has a *fence* (:class:`_Fence`): a drop counter every spill carries from
+  has a *fence* (:class:`Fence`): a drop counter every spill carries from
   the moment it is queued (or, for an eviction snapshot, reserved), a count
   of drops in progress, and a change counter promotions carry.
 
@@ -79,13 +79,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from kvseal.server import telemetry
 from kvseal.server.backends.base import Region
+from kvseal.server.cache.storeevents import StoreEvents
+from kvseal.server.cache.storestate import DropFence, Fence, ScopeKey, Spill, StoreCounts
 from kvseal.server.config import StorePolicy
 from kvseal.server.deadline import Deadline
 from kvseal.server.errors import BlockNotPresent, CapacityExhausted, StoreUnavailable
+from kvseal.server.events import EventBus
 from kvseal.server.index import Entry, Index, State
 from kvseal.server.sealing import (
     TAG_BYTES,
@@ -111,58 +113,6 @@ MAX_QUEUED_BYTES = 256 * 1024**2
 USAGE_REFRESH_S = 10.0
 # How long a drop waits for promotions that read the store before it.
 DROP_WAIT_S = 5.0
-ScopeKey = tuple[bytes, bytes]  # (namespace, tenant)
-
-
-@dataclass(slots=True, eq=False)  # identity: jobs are found in lists by `is`
-class _Spill:
-    """One block on its way to the store."""
-
-    ns: bytes
-    tenant: bytes
-    block_hash: bytes
-    drops: int  # its tenant's drop count when queued (changed: discarded)
-    size: int = 0
-    sealed: bytearray | None = None  # spill policy: ciphertext || tag, retained epoch
-    record: SealRecord | None = None
-    generation: int = 0
-    cancelled: bool = False  # its block was dropped (Drop(block_hashes))
-
-
-@dataclass(slots=True)
-class _Fence:
-    """One (namespace, tenant)'s drop state (see the module docstring)."""
-
-    drops: int = 0  # Drop(all_of_tenant)s begun or ended: queued spills carry it
-    dropping_all: int = 0  # Drop(all_of_tenant)s in progress: no spill publishes
-    changes: int = 0  # every drop's begin and end: promotions carry it
-    dropping: int = 0  # drops of any kind in progress: no promotion seals
-    promoting: int = 0  # promotions in flight
-
-    def idle(self) -> bool:
-        """Nothing refers to this fence: it may be forgotten. Never once a
-        Drop(all_of_tenant) counted (queued spills compare against ``drops``);
-        ``changes`` matters only to promotions in flight."""
-        return not (self.drops or self.dropping or self.promoting)
-
-
-@dataclass(frozen=True, slots=True)
-class DropFence:
-    """A drop between :meth:`StoreTier.begin_drop` and :meth:`StoreTier.end_drop`."""
-
-    key: ScopeKey
-    hashes: tuple[bytes, ...]  # empty: all of the tenant
-    all_of_tenant: bool
-    failed: str | None  # why the store's part failed at the beginning
-
-
-@dataclass(slots=True)
-class _Counts:
-    lookup_hits: int = 0  # blocks lookups found only in the store
-    promoted: int = 0  # blocks read from the store into the host tier
-    spills_skipped: int = 0  # queue full, block gone, too large, dropped
-    errors: int = 0  # OSError from the filesystem (misses or skipped spills)
-    host_auth_failures: int = 0  # a host-tier copy failed to open while spilling
 
 
 class StoreTier:
@@ -179,26 +129,29 @@ class StoreTier:
         *,
         abort_on_integrity: bool,
         on_abort: Callable[[], None],
+        bus: EventBus,
+        locality: str = "local",
     ) -> None:
         self.store = store
+        self.events = StoreEvents(bus, store, locality, in_host=self._in_host)
         self.policy = policy
         self._index = index
         self._region = region
         self._sealer = sealer
         self._abort_on_integrity = abort_on_integrity
         self._on_abort = on_abort
-        self._queue: deque[_Spill] = deque()
+        self._queue: deque[Spill] = deque()
         self._queued_bytes = 0
         self._cv = threading.Condition()  # queue, fences, jobs in flight
         self._spill_lock = threading.Lock()  # a spill's check-and-put vs a drop
         # A promotion's fence check and begin_store vs a drop's bump (taken
         # after _spill_lock, before _cv; never while the index lock is held).
         self._fence_lock = threading.Lock()
-        self._fences: dict[ScopeKey, _Fence] = {}
-        self._copying: list[_Spill] = []  # eviction snapshots being copied
-        self._running: _Spill | None = None  # the spill thread's current job
+        self._fences: dict[ScopeKey, Fence] = {}
+        self._copying: list[Spill] = []  # eviction snapshots being copied
+        self._running: Spill | None = None  # the spill thread's current job
         self._closed = False
-        self._counts = _Counts()
+        self._counts = StoreCounts()
         self._usage = (0, 0)  # (records, bytes) at the last rescan
         self._thread = threading.Thread(target=self._run, name="kvseal-spill", daemon=True)
         self._thread.start()
@@ -217,16 +170,17 @@ class StoreTier:
         one Lookup). The returned prefix is the leading run of READY states
         (host or store) and is never shorter than ``hit``. A filesystem error
         ends the checks there: the later blocks keep the host tier's states."""
-        found = 0
+        found: list[bytes] = []
         try:
             for i in range(hit, len(hashes)):
                 if states[i] is State.ABSENT and self.store.contains(ns, tenant, hashes[i]):
                     states[i] = State.READY
-                    found += 1
+                    found.append(hashes[i])
         except OSError as e:
             self._note_error("lookup", e)
         if found:
-            self._add(lookup_hits=found)
+            self._add(lookup_hits=len(found))
+            self.events.stored(ns, tenant, found)
         while hit < len(states) and states[hit] is State.READY:
             hit += 1
         return hit
@@ -240,7 +194,7 @@ class StoreTier:
                 if len(self._queue) >= MAX_QUEUED_BLOCKS:
                     self._counts.spills_skipped += 1
                     continue
-                self._queue.append(_Spill(ns, tenant, e.block_hash, self._drops_of(ns, tenant)))
+                self._queue.append(Spill(ns, tenant, e.block_hash, self._drops_of(ns, tenant)))
             self._cv.notify()
 
     def evicting(self, victims: Sequence[Entry]) -> None:
@@ -255,7 +209,7 @@ class StoreTier:
                 self._add(spills_skipped=1)
                 continue
             ns, tenant, h = v.key
-            job: _Spill | None = None
+            job: Spill | None = None
             with self._cv:
                 room = (
                     len(self._queue) < MAX_QUEUED_BLOCKS
@@ -268,7 +222,7 @@ class StoreTier:
                     # destroyed the key (retain fails). Listed while copying so
                     # a Drop(block_hashes) can cancel it.
                     drops = self._drops_of(ns, tenant)
-                    job = _Spill(ns, tenant, h, drops, v.size, None, rec, v.generation)
+                    job = Spill(ns, tenant, h, drops, v.size, None, rec, v.generation)
                     self._copying.append(job)
             if job is None:
                 self._add(spills_skipped=1)
@@ -315,7 +269,7 @@ class StoreTier:
         got: dict[bytes, bytearray] = {}
         key = (ns, tenant)
         with self._cv:
-            fence = self._fences.setdefault(key, _Fence())
+            fence = self._fences.setdefault(key, Fence())
             fence.promoting += 1
             changes = fence.changes
         try:
@@ -325,16 +279,19 @@ class StoreTier:
                     plaintext = self.store.get(ns, tenant, h)
                 except StoreIntegrityError as e:
                     log.error("store object of block %s failed its checks: %s", h.hex()[:16], e)
+                    self.events.removed(ns, tenant, [h], "INTEGRITY")
                     return [h]
                 except (OSError, StoreError) as e:
                     self._note_error("restore", e)
                     return []
                 if plaintext is None:
+                    self.events.removed(ns, tenant, [h], "EVICTED")  # gone since announced
                     return []
                 got[h] = plaintext
                 if len(plaintext) != size:  # not this pool's geometry: a miss
                     return []
             self._seal_into_host(ns, tenant, hashes, got, size, fence, changes)
+            self.events.stored(ns, tenant, got)
             return []
         finally:
             for plaintext in got.values():
@@ -357,7 +314,7 @@ class StoreTier:
         failed: str | None = None
         with self._spill_lock:
             with self._fence_lock, self._cv:
-                fence = self._fences.setdefault(key, _Fence())
+                fence = self._fences.setdefault(key, Fence())
                 fence.changes += 1
                 fence.dropping += 1
                 if all_of_tenant:
@@ -415,6 +372,10 @@ class StoreTier:
                     fence.dropping_all -= 1
                 if fence.idle():  # Drop(block_hashes) is frequent: keep no state for it
                     del self._fences[drop.key]
+            if drop.all_of_tenant:
+                self.events.dropped_tenant(ns, tenant)
+            else:
+                self.events.removed(ns, tenant, drop.hashes, "DROPPED")
         if failed is None:
             return None
         return StoreUnavailable(f"the host tier dropped the blocks, but {failed}; retry the drop")
@@ -466,6 +427,10 @@ class StoreTier:
             for k, v in deltas.items():
                 setattr(self._counts, k, getattr(self._counts, k) + v)
 
+    def _in_host(self, ns: bytes, tenant: bytes, hashes: list[bytes]) -> set[bytes]:
+        _, states = self._index.lookup(ns, tenant, hashes)
+        return {h for h, s in zip(hashes, states, strict=True) if s is State.READY}
+
     def _note_error(self, what: str, e: BaseException) -> None:
         self._add(errors=1)
         log.warning("store %s: %s: %s (treated as a miss)", what, type(e).__name__, e)
@@ -475,7 +440,7 @@ class StoreTier:
         fence = self._fences.get((ns, tenant))
         return 0 if fence is None else fence.drops
 
-    def _publishable(self, job: _Spill) -> bool:
+    def _publishable(self, job: Spill) -> bool:
         """Whether no drop has touched ``job`` since it was queued (under ``_cv``)."""
         fence = self._fences.get((job.ns, job.tenant))
         if fence is None:
@@ -486,10 +451,10 @@ class StoreTier:
         """Discard the queued spills of ``key`` (only of ``hashes`` unless
         None) and mark those being copied or run cancelled (under ``_cv``)."""
 
-        def hit(job: _Spill) -> bool:
+        def hit(job: Spill) -> bool:
             return (job.ns, job.tenant) == key and (hashes is None or job.block_hash in hashes)
 
-        kept: deque[_Spill] = deque()
+        kept: deque[Spill] = deque()
         while self._queue:
             job = self._queue.popleft()
             if hit(job):
@@ -504,7 +469,7 @@ class StoreTier:
 
     def _seal_into_host(
         self, ns: bytes, tenant: bytes, hashes: Sequence[bytes], got: dict[bytes, bytearray],
-        size: int, fence: _Fence, changes: int,
+        size: int, fence: Fence, changes: int,
     ) -> None:  # fmt: skip
         """Seal the verified plaintexts into new host-tier entries (the
         request's own chain, so the parents link as an offload's would),
@@ -542,7 +507,7 @@ class StoreTier:
         self._index.complete_store(plan.new, records)
         self._add(promoted=sum(r is not None for r in records))
 
-    def _discard(self, job: _Spill) -> None:
+    def _discard(self, job: Spill) -> None:
         """A queued spill that will not run: release what it holds."""
         if job.sealed is not None and job.record is not None:
             self._queued_bytes -= job.size
@@ -585,7 +550,7 @@ class StoreTier:
             return
         self._usage = (u.objects, u.total_bytes)
 
-    def _snapshot(self, job: _Spill) -> bool:
+    def _snapshot(self, job: Spill) -> bool:
         """Write-through: pin the block, copy its ciphertext and retain its key
         epoch; False if it already left the host tier."""
         try:
@@ -614,7 +579,7 @@ class StoreTier:
             return False
         return True
 
-    def _spill(self, job: _Spill) -> None:
+    def _spill(self, job: Spill) -> None:
         if job.sealed is None and not self._snapshot(job):
             self._add(spills_skipped=1)
             return
@@ -631,6 +596,7 @@ class StoreTier:
                     self._add(spills_skipped=1)  # a drop since it was queued, or running
                     return
                 self.store.put(job.ns, job.tenant, job.block_hash, plaintext)
+            self.events.stored(job.ns, job.tenant, [job.block_hash])
         except KeyDestroyed:
             self._add(spills_skipped=1)  # its tenant was dropped
         except AuthenticationFailed:

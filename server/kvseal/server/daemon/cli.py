@@ -205,6 +205,14 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
         "evicts [KVSEAL_STORE_POLICY]",
     )
     p.add_argument(
+        "--store-locality",
+        choices=("local", "remote"),
+        default=_env("KVSEAL_STORE_LOCALITY", "local"),
+        help="where the store directory is, as its events tell vLLM and llm-d (medium "
+        "STORAGE): local (a disk of this node) or remote (a network volume every replica "
+        "mounts) [KVSEAL_STORE_LOCALITY]",
+    )
+    p.add_argument(
         "--store-fsync",
         choices=("on", "off"),
         default=_env("KVSEAL_STORE_FSYNC", "on"),
@@ -232,6 +240,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         )
     if args.store_fsync not in ("on", "off"):  # KVSEAL_STORE_FSYNC skips argparse's choices
         raise ValueError("--store-fsync must be on or off")
+    if args.store_locality not in ("local", "remote"):  # likewise KVSEAL_STORE_LOCALITY
+        raise ValueError("--store-locality must be local or remote")
     return ServerConfig(
         listen=args.listen,
         backend=args.backend,
@@ -264,5 +274,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         store_key_wait=args.store_key_wait,
         store_policy=StorePolicy(args.store_policy),
         store_fsync=args.store_fsync == "on",
+        store_locality=args.store_locality,
         store_max_block_bytes=parse_size(args.store_max_block_bytes),
     )

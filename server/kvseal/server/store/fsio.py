@@ -129,6 +129,7 @@ class Evicted:
     records: int = 0
     bytes: int = 0
     temp_files: int = 0
+    names: tuple[str, ...] = ()  # the records removed (object names; markers included)
 
 
 @dataclass(slots=True)
@@ -402,6 +403,7 @@ class StoreDir:
             if used + incoming <= shard_cap:
                 return Evicted(temp_files=shard.swept)
             n = freed = 0
+            gone: list[str] = []
             for _mtime, size, victim in [*sorted(shard.objects), *sorted(shard.markers)]:
                 if used + incoming <= shard_cap:
                     break
@@ -409,11 +411,12 @@ class StoreDir:
                     os.unlink(victim, dir_fd=sfd)
                     n += 1
                     freed += size
+                    gone.append(victim)
                 except OSError as e:
                     if e.errno not in _GONE:
                         raise
                 used -= size
-            return Evicted(n, freed, shard.swept)
+            return Evicted(n, freed, shard.swept, tuple(gone))
         finally:
             os.close(sfd)
 

@@ -64,6 +64,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from kvseal.server.store.errors import (
@@ -187,6 +188,10 @@ class FsStore:
             self._keys, self._dir, ttl_s=config.scope_ttl_s, max_scopes=config.max_scopes
         )
         self._lock = threading.Lock()
+        # Called (on the putting thread, under no lock of the store's) with the
+        # names of the records a put evicted to make room: the daemon's event
+        # stream retracts the blocks it announced (cache.storeevents).
+        self.on_evict: Callable[[tuple[str, ...]], None] | None = None
         self._seen: OrderedDict[str, int] = OrderedDict()
         self._inflight: set[str] = set()
         self._stats = StoreStats()
@@ -265,6 +270,8 @@ class FsStore:
             evicted_bytes=evicted.bytes,
             temp_files_swept=evicted.temp_files,
         )
+        if evicted.names and self.on_evict is not None:
+            self.on_evict(evicted.names)
         return True
 
     def get(self, namespace: bytes, tenant: bytes, block_hash: bytes) -> bytearray | None:
@@ -360,6 +367,17 @@ class FsStore:
         return self._dir.usage()
 
     # ------------------------------------------------------------ for tests and operators
+
+    def name_of(self, namespace: bytes, tenant: bytes, block_hash: bytes) -> str | None:
+        """The block's object name in the tenant's current epoch (None: the
+        tenant has no scope marker). Nothing is read but the marker."""
+        try:
+            scope = self._scope(namespace, tenant, create=False)
+        except (ScopeChanged, StoreIntegrityError):
+            return None
+        if scope is None:
+            return None
+        return self._keys.object_name(namespace, tenant, scope.epoch_id, block_hash)
 
     def object_path(self, namespace: bytes, tenant: bytes, block_hash: bytes) -> str | None:
         """Where the block's object lives in the tenant's current epoch (None:
