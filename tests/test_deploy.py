@@ -85,6 +85,7 @@ DAEMON_FLAGS = {
     "--store-dir",
     "--store-key",
     "--store-bytes",
+    "--store-locality",
 }
 
 # The daemon's Prometheus metrics (the only names the dashboard may use).
@@ -384,6 +385,7 @@ def test_store_overlay_mounts_a_shared_volume_and_the_key() -> None:
     key = _option_value(sidecar["args"], "--store-key")
     assert key.startswith("file:" + mounts["kvseal-store-key"]["mountPath"] + "/")
     assert mounts["kvseal-store-key"]["readOnly"] is True
+    assert _option_value(sidecar["args"], "--store-locality") == "remote"  # a shared volume
     secret = _by_name(pod["volumes"], "kvseal-store-key")["secret"]
     assert secret["defaultMode"] & 0o007 == 0
     assert (

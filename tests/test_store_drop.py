@@ -171,10 +171,12 @@ def test_a_promotion_outliving_the_drop_wait_fails_the_drop_unavailable(
     reading, go = threading.Event(), threading.Event()
     real_get = rig.tier.store.get
 
-    def slow_get(ns: bytes, tenant: bytes, h: bytes) -> bytearray | None:
+    def slow_get(
+        ns: bytes, tenant: bytes, h: bytes, out: bytearray | None = None
+    ) -> bytearray | None:
         reading.set()
         go.wait(30)
-        return real_get(ns, tenant, h)
+        return real_get(ns, tenant, h, out)
 
     monkeypatch.setattr(rig.tier.store, "get", slow_get)
     monkeypatch.setattr(storetier, "DROP_WAIT_S", 0.3)

@@ -78,7 +78,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvseal.server import telemetry
 from kvseal.server.backends.base import Region
@@ -113,6 +113,8 @@ MAX_QUEUED_BYTES = 256 * 1024**2
 USAGE_REFRESH_S = 10.0
 # How long a drop waits for promotions that read the store before it.
 DROP_WAIT_S = 5.0
+# Wiped plaintext buffers kept for promotions, per block size.
+FREE_BUFFER_BYTES = 64 * 1024**2
 
 
 class StoreTier:
@@ -148,6 +150,7 @@ class StoreTier:
         # after _spill_lock, before _cv; never while the index lock is held).
         self._fence_lock = threading.Lock()
         self._fences: dict[ScopeKey, Fence] = {}
+        self._free: dict[int, list[bytearray]] = {}  # wiped plaintext buffers by size
         self._copying: list[Spill] = []  # eviction snapshots being copied
         self._running: Spill | None = None  # the spill thread's current job
         self._closed = False
@@ -273,10 +276,13 @@ class StoreTier:
             fence.promoting += 1
             changes = fence.changes
         try:
+            if len(absent) > 1:  # the device reads ahead while each block decrypts
+                self.store.prefetch(ns, tenant, absent)
             for h in absent:
                 deadline.check("reading the store")
+                buf = self._buffer(size)
                 try:
-                    plaintext = self.store.get(ns, tenant, h)
+                    plaintext = self.store.get(ns, tenant, h, buf)
                 except StoreIntegrityError as e:
                     log.error("store object of block %s failed its checks: %s", h.hex()[:16], e)
                     self.events.removed(ns, tenant, [h], "INTEGRITY")
@@ -284,18 +290,16 @@ class StoreTier:
                 except (OSError, StoreError) as e:
                     self._note_error("restore", e)
                     return []
-                if plaintext is None:
-                    self.events.removed(ns, tenant, [h], "EVICTED")  # gone since announced
+                if plaintext is None:  # gone since announced, or another geometry's
+                    self._release([buf])
+                    self.events.removed(ns, tenant, [h], "EVICTED")
                     return []
                 got[h] = plaintext
-                if len(plaintext) != size:  # not this pool's geometry: a miss
-                    return []
             self._seal_into_host(ns, tenant, hashes, got, size, fence, changes)
             self.events.stored(ns, tenant, got)
             return []
         finally:
-            for plaintext in got.values():
-                wipe(plaintext)
+            self._release(got.values())
             with self._cv:
                 fence.promoting -= 1
                 if fence.idle() and self._fences.get(key) is fence:
@@ -426,6 +430,24 @@ class StoreTier:
         with self._cv:
             for k, v in deltas.items():
                 setattr(self._counts, k, getattr(self._counts, k) + v)
+
+    def _buffer(self, size: int) -> bytearray:
+        """A private plaintext buffer of ``size`` bytes for a promotion, reused
+        (fresh memory faults in page by page, the cost of a store read)."""
+        with self._cv:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+        return bytearray(size)
+
+    def _release(self, bufs: Iterable[bytearray]) -> None:
+        """Wipe ``bufs`` (plaintext) and keep them for reuse, within a bound."""
+        for b in bufs:
+            wipe(b)
+            with self._cv:
+                free = self._free.setdefault(len(b), [])
+                if (len(free) + 1) * len(b) <= FREE_BUFFER_BYTES:
+                    free.append(b)
 
     def _in_host(self, ns: bytes, tenant: bytes, hashes: list[bytes]) -> set[bytes]:
         _, states = self._index.lookup(ns, tenant, hashes)

@@ -122,6 +122,18 @@ class Usage:
         return self.record_bytes + self.temp_bytes
 
 
+def _pread_all(fd: int, view: memoryview) -> int:
+    """Read from offset 0 until ``view`` is full or the file ends (it shrank
+    since fstat: the parser then sees a truncated record); bytes read."""
+    n = 0
+    while n < len(view):
+        got = os.preadv(fd, [view[n:]], n)
+        if got == 0:
+            break
+        n += got
+    return n
+
+
 @dataclass(frozen=True, slots=True)
 class Evicted:
     """What one make-room pass removed."""
@@ -242,13 +254,17 @@ class StoreDir:
 
     # ------------------------------------------------------------ records
 
-    def read(self, name: str, max_bytes: int) -> tuple[bytearray, FileIdent] | None:
+    def read(
+        self, name: str, max_bytes: int, scratch: bytearray | None = None
+    ) -> tuple[bytearray | memoryview, FileIdent] | None:
         """A private snapshot of the record ``name`` and the inode it came
         from; None if there is none, and None (unread) for a record over
         ``max_bytes``: a replica configured for larger blocks may share the
         store, so an oversized record is a miss, not tampering (it is left in
         place; eviction reclaims it). Raises :class:`NotARegularFile` without
-        reading."""
+        reading. ``scratch``: the caller's buffer to read into when the record
+        fits (a view of it is returned, valid until the caller reuses it):
+        fresh memory faults in page by page, a reused buffer does not."""
         sfd = self._shard_fd(self.shard_of(name), create=False)
         if sfd is None:
             return None
@@ -269,14 +285,13 @@ class StoreDir:
                 raise NotARegularFile(f"record {name} is not a regular file")
             if st.st_size > max_bytes:
                 return None
-            buf = bytearray(st.st_size)
-            n = 0
+            size = st.st_size
+            if scratch is not None and len(scratch) >= size:
+                view = memoryview(scratch)[:size]
+                return view[: _pread_all(fd, view)], (st.st_dev, st.st_ino)
+            buf = bytearray(size)
             with memoryview(buf) as view:
-                while n < len(buf):
-                    got = os.preadv(fd, [view[n:]], n)
-                    if got == 0:
-                        break  # shrank since fstat: the parser sees a truncated record
-                    n += got
+                n = _pread_all(fd, view)
             if n < len(buf):
                 del buf[n:]
             return buf, (st.st_dev, st.st_ino)
@@ -301,6 +316,27 @@ class StoreDir:
         finally:
             os.close(sfd)
         return stat.S_ISREG(st.st_mode)
+
+    def prefetch(self, name: str) -> None:
+        """Ask the kernel to start reading ``name`` into the page cache
+        (``POSIX_FADV_WILLNEED``), so that a later :meth:`read` overlaps the
+        device with the caller's work on earlier records. Advice only: a
+        record that is gone, or any error, is ignored (the read decides)."""
+        sfd = self._shard_fd(self.shard_of(name), create=False)
+        if sfd is None:
+            return
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=sfd)
+        except OSError:
+            return
+        finally:
+            os.close(sfd)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def touch(self, name: str) -> None:
         """Mark ``name`` as just used (its mtime orders eviction); a record

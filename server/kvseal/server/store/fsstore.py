@@ -193,6 +193,9 @@ class FsStore:
         # stream retracts the blocks it announced (cache.storeevents).
         self.on_evict: Callable[[tuple[str, ...]], None] | None = None
         self._seen: OrderedDict[str, int] = OrderedDict()
+        # Each reading thread's record buffer: the largest record it read (a
+        # record that did not fit is read into a new one, which is kept).
+        self._local = threading.local()
         self._inflight: set[str] = set()
         self._stats = StoreStats()
 
@@ -274,10 +277,16 @@ class FsStore:
             self.on_evict(evicted.names)
         return True
 
-    def get(self, namespace: bytes, tenant: bytes, block_hash: bytes) -> bytearray | None:
+    def get(
+        self, namespace: bytes, tenant: bytes, block_hash: bytes, out: bytearray | None = None
+    ) -> bytearray | None:
         """The block's plaintext, authenticated, or None (a miss). Raises a
         :class:`StoreIntegrityError` subclass when the object (or the scope
-        marker) fails a check; the failing file has been removed."""
+        marker) fails a check; the failing file has been removed. ``out``:
+        the caller's buffer to decrypt into (returned; a record of another
+        size is a miss, left in place, ``out`` untouched); None: a new one.
+        The record is read into this thread's reused buffer (it holds
+        ciphertext only), so a restore faults in no fresh pages for it."""
         try:
             scope = self._scope(namespace, tenant, create=False)
         except ScopeChanged:
@@ -287,7 +296,7 @@ class FsStore:
             return None
         name = self._keys.object_name(namespace, tenant, scope.epoch_id, block_hash)
         try:
-            got = self._dir.read(name, self._max_record)
+            got = self._dir.read(name, self._max_record, getattr(self._local, "buf", None))
         except StoreIntegrityError:
             self._dir.remove(name)
             self._count(integrity_failures=1)
@@ -296,12 +305,18 @@ class FsStore:
             self._count(misses=1)
             return None
         data, ident = got
+        if isinstance(data, bytearray):  # did not fit this thread's buffer: the new one
+            self._local.buf = data
         try:
             header = RecordHeader.parse(data, max_ct_len=self.config.max_object_bytes)
             header.expect(KIND_BLOCK, self._keys.key_id)
             rkey = self._scopes.record_key(scope, header.salt)
             binding = Binding(namespace, tenant, scope.epoch_id, block_hash)
-            plaintext = open_record(rkey, data, header, binding)
+            if out is not None and len(out) != header.ct_len:
+                wipe(rkey)
+                self._count(misses=1)  # another geometry's block: not this caller's
+                return None
+            plaintext = open_record(rkey, data, header, binding, out)
         except (ScopeChanged, UnsupportedVersion):
             # A newer replica's record format is not tampering: a miss, kept.
             self._count(misses=1)
@@ -367,6 +382,16 @@ class FsStore:
         return self._dir.usage()
 
     # ------------------------------------------------------------ for tests and operators
+
+    def prefetch(self, namespace: bytes, tenant: bytes, hashes: list[bytes]) -> None:
+        """Start reading these blocks' objects from the device (advice: the
+        gets that follow overlap their decryption with the reads; nothing
+        is verified or returned here, errors are ignored)."""
+        for h in hashes:
+            name = self.name_of(namespace, tenant, h)
+            if name is None:
+                return
+            self._dir.prefetch(name)
 
     def name_of(self, namespace: bytes, tenant: bytes, block_hash: bytes) -> str | None:
         """The block's object name in the tenant's current epoch (None: the

@@ -215,13 +215,21 @@ def seal(
 
 
 def open_record(
-    record_key: bytearray, data: bytearray, header: RecordHeader, binding: Binding
+    record_key: bytearray,
+    data: bytearray | memoryview,
+    header: RecordHeader,
+    binding: Binding,
+    out: bytearray | None = None,
 ) -> bytearray:
     """Authenticate and decrypt ``data`` (a private snapshot of the whole
-    record, parsed into ``header``) into a new bytearray. Raises
-    :class:`RecordAuthenticationFailed` on any mismatch (nothing decrypted is
-    returned then). Wipes ``record_key`` whatever happens."""
-    out = bytearray(header.ct_len)
+    record, parsed into ``header``) into ``out`` (exactly ``ct_len`` bytes;
+    None: a new bytearray), which is returned. Raises
+    :class:`RecordAuthenticationFailed` on any mismatch (``out`` wiped:
+    nothing decrypted is left). Wipes ``record_key`` whatever happens."""
+    if out is None:
+        out = bytearray(header.ct_len)
+    elif len(out) != header.ct_len:
+        raise ValueError(f"a {header.ct_len}-byte plaintext into a {len(out)}-byte buffer")
     ok = False
     try:
         view = memoryview(data)
