@@ -469,3 +469,31 @@ def test_the_local_key_source_serves_only_its_own_lifetime(tmp_path: Path) -> No
     with FsStore(cfg, LocalKeySource().load()) as restarted:
         assert restarted.get(NS, T1, h("b")) is None
         assert restarted.stats().integrity_failures == 0
+
+
+def test_reused_buffers_give_each_block_its_own_bytes(make_store: MakeStore) -> None:
+    """Gets of records of several sizes on one thread (its record buffer is
+    reused and grows), into a caller's buffer or a new one; a caller's buffer
+    of another size is a miss that leaves it untouched; a tampered record read
+    into a caller's buffer leaves nothing decrypted there. ``prefetch`` is
+    advice: it changes no answer."""
+    s = make_store()
+    sizes = {"small": 100, "big": 60 << 10, "mid": BLOCK}
+    for name, size in sizes.items():
+        s.put(NS, T1, h(name), kv(name, size))
+    s.prefetch(NS, T1, [h(n) for n in sizes] + [h("absent")])
+    for _ in range(2):
+        for name, size in sizes.items():
+            assert s.get(NS, T1, h(name)) == kv(name, size)
+            out = bytearray(size)
+            assert s.get(NS, T1, h(name), out) is out and out == kv(name, size)
+    wrong = bytearray(b"\x07" * 10)
+    assert s.get(NS, T1, h("mid"), wrong) is None and wrong == b"\x07" * 10
+    assert s.get(NS, T1, h("mid")) == kv("mid"), "a wrong-sized buffer leaves the record"
+    path = s.object_path(NS, T1, h("mid"))
+    assert path is not None
+    _flip(Path(path), -20)
+    out = bytearray(b"\x05" * BLOCK)
+    with pytest.raises(StoreIntegrityError):
+        s.get(NS, T1, h("mid"), out)
+    assert out == bytes(BLOCK), "wiped: no plaintext of a failed record"

@@ -276,12 +276,12 @@ class StoreTier:
             fence.promoting += 1
             changes = fence.changes
         try:
-            if len(absent) > 1:  # the device reads ahead while each block decrypts
-                self.store.prefetch(ns, tenant, absent)
-            for h in absent:
+            for i, h in enumerate(absent):
                 deadline.check("reading the store")
                 buf = self._buffer(size)
                 try:
+                    if i == 0 and len(absent) > 1:  # the device reads ahead while each decrypts
+                        self.store.prefetch(ns, tenant, absent)
                     plaintext = self.store.get(ns, tenant, h, buf)
                 except StoreIntegrityError as e:
                     log.error("store object of block %s failed its checks: %s", h.hex()[:16], e)

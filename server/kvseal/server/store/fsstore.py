@@ -386,12 +386,17 @@ class FsStore:
     def prefetch(self, namespace: bytes, tenant: bytes, hashes: list[bytes]) -> None:
         """Start reading these blocks' objects from the device (advice: the
         gets that follow overlap their decryption with the reads; nothing
-        is verified or returned here, errors are ignored)."""
+        is verified or returned here, filesystem errors are ignored). Raises
+        :class:`StoreIntegrityError` as :meth:`get` would when the tenant's
+        scope marker fails its checks (it has been removed)."""
+        try:
+            scope = self._scope(namespace, tenant, create=False)
+        except (ScopeChanged, OSError):
+            return
+        if scope is None:
+            return
         for h in hashes:
-            name = self.name_of(namespace, tenant, h)
-            if name is None:
-                return
-            self._dir.prefetch(name)
+            self._dir.prefetch(self._keys.object_name(namespace, tenant, scope.epoch_id, h))
 
     def name_of(self, namespace: bytes, tenant: bytes, block_hash: bytes) -> str | None:
         """The block's object name in the tenant's current epoch (None: the
