@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import pytest
 from kvseal.client import KVSealClient, tenant_digest
 from kvseal.client.shm import SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
@@ -233,3 +234,33 @@ def test_replicas_that_disagree_are_told_why(
     o = daemon_factory(*store_flags(store, f"file:{key_file(tmp_path / 'k2')}"))
     with o.client() as c:
         assert c.register_pool("e", FP, geo, identity=_identity(hash_seed_check=b"")).warnings == ()
+
+
+def test_identities_agree_exactly_when_the_facts_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engines' side: the vLLM adapter's identity follows vLLM's seed rule
+    (PYTHONHASHSEED, else a fixed default for sha256, a random seed for
+    xxhash), the SGLang linker's has no seed, and neither carries the seed or
+    the tenant key, only digests that differ when they do."""
+    from kvseal.sglang.keys import Tenants
+    from kvseal.vllm.keys import deployment_identity
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    a = deployment_identity("m/tp0of1", "sha256", None)
+    assert a == deployment_identity("m/tp0of1", "sha256", None)
+    assert len(a.hash_seed_check) == 16 and not a.hash_seed_random and not a.tenant_key_check
+    monkeypatch.setenv("PYTHONHASHSEED", "4242")
+    b = deployment_identity("m/tp0of1", "sha256", None)
+    assert b.hash_seed_check != a.hash_seed_check
+    assert b"4242" not in b.SerializeToString()
+    monkeypatch.delenv("PYTHONHASHSEED")
+    x = deployment_identity("m/tp0of1", "xxhash", None)
+    assert x.hash_seed_random and not x.hash_seed_check
+    key, other = os.urandom(32), os.urandom(32)
+    k1 = deployment_identity("m/tp0of1", "sha256", key)
+    assert k1.tenant_key_check == deployment_identity("m/tp0of1", "sha256", key).tenant_key_check
+    assert k1.tenant_key_check != deployment_identity("m/tp0of1", "sha256", other).tenant_key_check
+    assert key[:8] not in k1.SerializeToString()
+    s1 = Tenants(key, from_env=False).identity("m/tp0of1")
+    assert s1 == Tenants(key, from_env=False).identity("m/tp0of1")
+    assert s1.hash_algorithm != a.hash_algorithm and not s1.hash_seed_random
+    assert s1.tenant_key_check == k1.tenant_key_check

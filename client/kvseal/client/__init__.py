@@ -22,7 +22,13 @@ from kvseal.client.client import KVSealClient
 from kvseal.client.config import ClientConfig
 from kvseal.client.engine_pool import EnginePool
 from kvseal.client.errors import KVSealRpcError
-from kvseal.client.hashing import NONE_HASH, chain_block_hashes, load_tenant_key, tenant_digest
+from kvseal.client.hashing import (
+    NONE_HASH,
+    chain_block_hashes,
+    deployment_identity,
+    load_tenant_key,
+    tenant_digest,
+)
 from kvseal.client.hold import PoolHold
 from kvseal.client.results import LookupResult, OffloadResult, PoolHandle, RestoreResult
 
@@ -40,4 +46,5 @@ __all__ = [
     "chain_block_hashes",
     "load_tenant_key",
     "tenant_digest",
+    "deployment_identity",
 ]

@@ -26,6 +26,8 @@ import stat
 import struct
 from collections.abc import Sequence
 
+from kvseal.v1 import kvseal_pb2 as pb
+
 HASH_BYTES = 32
 MIN_TENANT_KEY_BYTES = 32
 TENANT_KEY_ENV = "KVSEAL_TENANT_KEY_FILE"
@@ -117,3 +119,35 @@ def chain_block_hashes(
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def deployment_identity(
+    label: str,
+    hash_algorithm: str,
+    tenant_key: bytes | None,
+    *,
+    hash_seed: str | None = None,
+    hash_seed_random: bool = False,
+) -> pb.DeploymentIdentity:
+    """What replicas sharing a store must agree on (``RegisterPoolRequest.identity``;
+    docs/store.md, "Events, Stats and replicas"): ``label`` names the
+    deployment (the daemon compares registrations of one label), the engine's
+    prefix-hash algorithm, a digest of its seed (``hash_seed``: None for a
+    scheme without one; never sent itself: a non-cryptographic hash's
+    collision resistance rests on its secrecy) unless it is random per
+    process, and a check value of the tenant key (never the key)."""
+    seed_check = b""
+    if not hash_seed_random:
+        h = hashlib.sha256(b"kvseal/hash-seed-check/v1\x00")
+        h.update(hash_algorithm.encode() + b"\x00" + (hash_seed or "").encode())
+        seed_check = h.digest()[:16]
+    key_check = b""
+    if tenant_key:
+        key_check = hmac.new(tenant_key, b"kvseal/tenant-key-check/v1", "sha256").digest()[:16]
+    return pb.DeploymentIdentity(
+        label=label[-256:],
+        hash_algorithm=hash_algorithm,
+        hash_seed_check=seed_check,
+        tenant_key_check=key_check,
+        hash_seed_random=hash_seed_random,
+    )

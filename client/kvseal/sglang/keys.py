@@ -23,7 +23,8 @@ import re
 import secrets
 import struct
 
-from kvseal.client import load_tenant_key, tenant_digest
+from kvseal.client import deployment_identity, load_tenant_key, tenant_digest
+from kvseal.v1 import kvseal_pb2 as pb
 
 HASH_BYTES = 32
 HASH_SCHEME = "sglang-storage-sha256-chain/v1"
@@ -47,6 +48,11 @@ class Tenants:
         self._key = key if key is not None or not from_env else load_tenant_key()
         self.shared = tenant_digest(None, key=self._key)
         self._cache: dict[str, bytes] = {}
+
+    def identity(self, label: str) -> pb.DeploymentIdentity:
+        """This engine's ``DeploymentIdentity`` (docs/store.md): SGLang's
+        storage-key chain has no seed; the tenant key's check value."""
+        return deployment_identity(label, HASH_SCHEME, self._key)
 
     def of(self, cache_salt: str | None) -> bytes:
         if not cache_salt:

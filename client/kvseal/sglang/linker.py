@@ -173,6 +173,8 @@ class KVSealLinker(UnifiedCacheLinker):
             refs,
         )
         self.tenants = keys.Tenants()
+        model = str(getattr(server_args, "model_path", "")).rstrip("/").rsplit("/", 1)[-1]
+        label = f"{extra.get('deployment_label') or model}/tp{tp_rank}of{tp_size}"
         self.mirror = DaemonMirror(
             tp_rank,
             self.target,
@@ -181,6 +183,7 @@ class KVSealLinker(UnifiedCacheLinker):
             template,
             _ignore_change,
             discovery=bool(extra.get("discovery", True)),
+            identity=self.tenants.identity(label),
         )
         if self.kv.pool.wait_ready(float(extra.get("ready_wait_s", 10.0))):
             log.info(

@@ -23,13 +23,13 @@ testable on its own and the same on the scheduler and the worker side.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import os
 import re
 import secrets
 import struct
 from collections.abc import Iterable
 
+from kvseal.client.hashing import deployment_identity as client_identity
 from kvseal.v1 import kvseal_pb2 as pb
 
 HASH_BYTES = 32
@@ -137,25 +137,13 @@ _NON_CRYPTO = ("xxhash", "xxhash_cbor")
 def deployment_identity(
     label: str, hash_algo: str, tenant_key: bytes | None
 ) -> pb.DeploymentIdentity:
-    """What replicas sharing a store must agree on (``RegisterPoolRequest.identity``):
-    the prefix-hash algorithm, a digest of its seed (never the seed: its
-    secrecy is what a non-cryptographic hash's collision resistance rests
-    on) and a check value of the tenant key (never the key). ``label`` names
-    the deployment (the daemon compares registrations of one label)."""
+    """This vLLM engine's ``DeploymentIdentity`` (kvseal.client.deployment_identity)
+    with vLLM's prefix-hash seed, as vLLM resolves it."""
     seed = os.environ.get("PYTHONHASHSEED")
-    random_seed = seed is None and hash_algo in _NON_CRYPTO
-    seed_check = b""
-    if not random_seed:
-        h = hashlib.sha256(b"kvseal/vllm-hash-seed/v1\x00")
-        h.update((seed if seed is not None else _DEFAULT_SEED).encode())
-        seed_check = h.digest()[:16]
-    key_check = b""
-    if tenant_key:
-        key_check = hmac.new(tenant_key, b"kvseal/tenant-key-check/v1", "sha256").digest()[:16]
-    return pb.DeploymentIdentity(
-        label=label[-256:],
-        hash_algorithm=hash_algo,
-        hash_seed_check=seed_check,
-        tenant_key_check=key_check,
-        hash_seed_random=random_seed,
+    return client_identity(
+        label,
+        hash_algo,
+        tenant_key,
+        hash_seed=seed if seed is not None else _DEFAULT_SEED,
+        hash_seed_random=seed is None and hash_algo in _NON_CRYPTO,
     )
