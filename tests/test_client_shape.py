@@ -276,6 +276,7 @@ def test_public_names_keep_their_homes() -> None:
         "PoolHold",
         "RestoreResult",
         "chain_block_hashes",
+        "deployment_identity",
         "load_tenant_key",
         "tenant_digest",
     ]
