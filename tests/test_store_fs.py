@@ -490,6 +490,12 @@ def test_reused_buffers_give_each_block_its_own_bytes(make_store: MakeStore) -> 
     wrong = bytearray(b"\x07" * 10)
     assert s.get(NS, T1, h("mid"), wrong) is None and wrong == b"\x07" * 10
     assert s.get(NS, T1, h("mid")) == kv("mid"), "a wrong-sized buffer leaves the record"
+    # A tampered record is an integrity failure whatever the caller's size.
+    small = s.object_path(NS, T1, h("small"))
+    assert small is not None
+    _flip(Path(small), -5)
+    with pytest.raises(StoreIntegrityError):
+        s.get(NS, T1, h("small"), bytearray(BLOCK))
     path = s.object_path(NS, T1, h("mid"))
     assert path is not None
     _flip(Path(path), -20)

@@ -60,7 +60,16 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 
 class Engine:
-    def __init__(self, model: str, kv_bytes: int, kvseal_socket: str | None, zmq_port: int) -> None:
+    def __init__(
+        self,
+        model: str,
+        kv_bytes: int,
+        kvseal_socket: str | None,
+        zmq_port: int,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """``extra``: more of kvseal's ``kv_connector_extra_config`` (e.g.
+        ``kvseal_lookup_discovery``)."""
         from vllm import LLM, SamplingParams
         from vllm.config import KVEventsConfig, KVTransferConfig
 
@@ -72,7 +81,7 @@ class Engine:
                 kv_connector_module_path="kvseal.vllm.connector",
                 kv_role="kv_both",
                 kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"kvseal_socket": kvseal_socket},
+                kv_connector_extra_config={"kvseal_socket": kvseal_socket, **(extra or {})},
             )
             kw["kv_events_config"] = KVEventsConfig(
                 enable_kv_cache_events=True,

@@ -29,8 +29,6 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,29 +57,6 @@ def _prompts() -> list[list[int]]:
     return [prefix + [rng.randrange(3, 1000) for _ in range(SUFFIX_TOKENS)] for _ in range(PROMPTS)]
 
 
-@contextmanager
-def _with_discovery() -> Iterator[None]:
-    """driver.Engine builds kvseal's one-line config itself; add
-    ``kvseal_lookup_discovery`` to its ``kv_connector_extra_config``. The
-    config class is swapped only until Engine builds its one instance (vLLM
-    itself, imported first, keeps the real class)."""
-    import vllm.config
-    from vllm import LLM, SamplingParams  # noqa: F401
-
-    real = vllm.config.KVTransferConfig
-
-    def config(**kw: Any) -> Any:
-        vllm.config.KVTransferConfig = real  # type: ignore[misc]
-        extra = {**kw["kv_connector_extra_config"], "kvseal_lookup_discovery": True}
-        return real(**{**kw, "kv_connector_extra_config": extra})
-
-    vllm.config.KVTransferConfig = config  # type: ignore[misc,assignment]
-    try:
-        yield
-    finally:
-        vllm.config.KVTransferConfig = real  # type: ignore[misc]
-
-
 class _Part:
     """One engine's run: its requests by tenant, and the daemon's figures."""
 
@@ -90,8 +65,9 @@ class _Part:
 
         self.daemon, self.port = daemon, metrics_port
         kv_bytes = KV_BLOCKS * BLOCK * 2 * 2 * 2 * 32 * 2  # as driver.py sizes it
-        with _with_discovery():
-            self.eng = Engine(model, kv_bytes, daemon.socket if daemon else None, free_port())
+        sock = daemon.socket if daemon else None
+        extra = {"kvseal_lookup_discovery": True}
+        self.eng = Engine(model, kv_bytes, sock, free_port(), extra)
         self.res: dict[str, Any] = {"runs": {}, "figures": {}}
 
     def figures(self, name: str) -> None:

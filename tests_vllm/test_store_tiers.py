@@ -114,3 +114,57 @@ def test_replicas_with_another_hash_seed_are_warned(tmp_path: Path, seed: str) -
         assert "WARNING" in other.stderr and "prefix-hash seed (PYTHONHASHSEED)" in other.stderr
     finally:
         d.stop()
+
+
+def test_tier_events_count_ranks_not_events() -> None:
+    """TP=2: a block is announced in a tier once both ranks' daemons hold it
+    there, a rank announcing it twice (a restarted daemon finding the store's
+    blocks again) changes nothing, one rank's removal retracts it, a rank's
+    stream gap retracts what it held, and 16-byte vLLM hashes are named as
+    vLLM named them, also on removal."""
+    import queue
+
+    from kvseal.v1 import kvseal_pb2 as pb
+    from kvseal.vllm import keys
+    from kvseal.vllm.tier_events import TierEvents
+
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    vllm_hash = {keys.kvseal_hash(b"v" * 16): b"v" * 16}
+    tiers = TierEvents(2, 0, out, lambda h: vllm_hash.get(h, h), lambda h: vllm_hash.pop(h, None))
+    a, b = bytes([1]) * 32, keys.kvseal_hash(b"v" * 16)
+    t = bytes(32)
+
+    def ev(kind: int, medium: str, *hs: bytes) -> pb.BlockEvent:
+        loc = "remote" if medium == "storage" else ""
+        return pb.BlockEvent(kind=kind, medium=medium, locality=loc, tenant=t, block_hashes=hs)
+
+    def take() -> list[tuple[Medium, bool, list[bytes], Locality | None]]:
+        got = []
+        while not out.empty():
+            e = out.get()
+            got.append((e.medium, e.removed, [bytes(k) for k in e.keys], e.locality))
+        return got
+
+    def key(vh: bytes) -> bytes:
+        return keys.make_offload_key(vh, 0)
+
+    S, R = pb.BLOCK_STORED, pb.BLOCK_REMOVED
+    tiers.event(0, ev(S, "storage", a, b))
+    tiers.event(0, ev(S, "storage", a, b))  # again from rank 0: still one rank
+    assert take() == []
+    tiers.event(1, ev(S, "storage", a, b))
+    assert take() == [(Medium.STORAGE, False, [key(a), key(b"v" * 16)], Locality.REMOTE)]
+    tiers.event(1, ev(S, "cpu", a))
+    tiers.event(0, ev(S, "cpu", a))
+    assert take() == [(Medium.CPU, False, [key(a)], None)]
+    tiers.event(0, ev(R, "storage", b))  # one rank lost it: no longer in that tier
+    assert take() == [(Medium.STORAGE, True, [key(b"v" * 16)], Locality.REMOTE)]
+    assert b in vllm_hash  # rank 1 still holds it: its removal must name it too
+    tiers.event(1, ev(R, "storage", b))
+    assert take() == [] and b not in vllm_hash  # in no tier on any rank: the name goes
+    tiers.reset(1)  # rank 1's stream had a gap: what needed it is retracted
+    got = take()
+    assert len(got) == 2 and (Medium.CPU, True, [key(a)], None) in got
+    assert (Medium.STORAGE, True, [key(a)], Locality.REMOTE) in got
+    tiers.event(1, ev(S, "cpu", a))  # announced again after the gap
+    assert take() == [(Medium.CPU, False, [key(a)], None)]

@@ -31,13 +31,13 @@ from kvseal.client import load_tenant_key, tenant_digest
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys
 from kvseal.vllm.mirror import DaemonMirror
+from kvseal.vllm.tier_events import TierEvents
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
-    Locality,
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
@@ -56,7 +56,6 @@ from vllm.v1.kv_offload.base import (
 # every tenant digest. Unset: the unkeyed digests.
 TENANT_KEY = load_tenant_key()
 SHARED_TENANT = tenant_digest(None, key=TENANT_KEY)
-MAX_TIER_HELD = 1 << 20  # (medium, tenant, block)s counted for the tier events
 
 # The metric kvseal adds to vLLM's own /metrics (through the spec's
 # build_metric_definitions and the manager's get_stats; exposed with "_total").
@@ -194,9 +193,14 @@ class KVSealOffloadingManager(OffloadingManager):
         self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes on every rank
         self._events: queue.SimpleQueue[OffloadingEvent] = queue.SimpleQueue()
         self._reverse: dict[bytes, bytes] = {}  # kvseal hash -> vLLM hash (non-identity)
-        # (medium, tenant, hash) -> ranks whose daemon announced the block in that
-        # tier (daemons with a store: vLLM's events come from their streams).
-        self._tier_held: dict[tuple[str, bytes, bytes], int] = {}
+        # Daemons with a store: vLLM's events come from their streams, per tier.
+        self._tiers = TierEvents(
+            spec.world_size,
+            spec.group,
+            self._events,
+            lambda h: self._reverse.get(h, h),
+            lambda h: self._reverse.pop(h, None),
+        )
         # hash -> tenant -> (until when a block being stored is a pending hit,
         # when its store began). Keyed by hash first: complete_store may come
         # after on_request_finished, when the request's tenant is no longer
@@ -247,9 +251,11 @@ class KVSealOffloadingManager(OffloadingManager):
                     del self._ready[tenant]
             else:
                 return
-            # Removed: its vLLM hash is not needed after this event (bounded map).
-            vh = self._reverse.get(h, h) if after else self._reverse.pop(h, h)
-        if self.spec.kv_events_config.enable_kv_cache_events and not self._tiered(rank):
+            # Removed: its vLLM hash is not needed after this event (bounded map;
+            # with tiers, the tier events still name it: they drop it).
+            tiered = self._tiered(rank)
+            vh = self._reverse.get(h, h) if after or tiered else self._reverse.pop(h, h)
+        if self.spec.kv_events_config.enable_kv_cache_events and not tiered:
             okey = OffloadKey(keys.make_offload_key(vh, self.spec.group))
             self._events.put(OffloadingEvent(keys=[okey], medium=Medium.CPU, removed=not after))
 
@@ -258,37 +264,16 @@ class KVSealOffloadingManager(OffloadingManager):
         mirrors = getattr(self, "mirrors", ())  # not yet during construction
         return rank < len(mirrors) and bool(mirrors[rank].store_policy)
 
-    def _tier_event(self, rank: int, ev: pb.BlockEvent) -> None:
+    def _tier_event(self, rank: int, ev: pb.BlockEvent | None) -> None:
         """A daemon with a store tier: vLLM's KV events come from the daemons'
-        streams, a medium per tier (CPU: the host tier; STORAGE: the store, with
-        the daemon's locality), a block stored once every rank's daemon
-        announced it in that tier and removed once one no longer holds it
-        (presence changes the stream did not announce, e.g. a Lookup's answer,
-        are not events: each tier's own events say where a block is). Under
-        the manager's lock (the mirror's update lock)."""
-        if not self.spec.kv_events_config.enable_kv_cache_events or not self._tiered(rank):
+        streams, a medium per tier (kvseal.vllm.tier_events); ``None``: rank's
+        stream had a gap. Under the manager's lock (the mirrors' update lock)."""
+        if not self.spec.kv_events_config.enable_kv_cache_events:
             return
-        stored = ev.kind == pb.BLOCK_STORED
-        medium = Medium.STORAGE if ev.medium == "storage" else Medium.CPU
-        where = {"local": Locality.LOCAL, "remote": Locality.REMOTE}.get(ev.locality)
-        if len(self._tier_held) > MAX_TIER_HELD:  # events lost somewhere: start over
-            self._tier_held.clear()
-        changed = []
-        for h in ev.block_hashes:
-            k = (ev.medium, bytes(ev.tenant), bytes(h))
-            n = self._tier_held.get(k, 0)
-            m = n + 1 if stored else max(0, n - 1)
-            if m:
-                self._tier_held[k] = m
-            else:
-                self._tier_held.pop(k, None)
-            if (n < self.world <= m) if stored else (m < self.world <= n):
-                vh = self._reverse.get(h, h)
-                changed.append(OffloadKey(keys.make_offload_key(vh, self.spec.group)))
-        if changed:
-            ev_out = OffloadingEvent(keys=changed, medium=medium, removed=not stored)
-            ev_out.locality = where if medium is Medium.STORAGE else None
-            self._events.put(ev_out)
+        if ev is None:
+            self._tiers.reset(rank)
+        elif self._tiered(rank):
+            self._tiers.event(rank, ev)
 
     # ------------------------------------------------------------ helpers
 

@@ -68,8 +68,10 @@ SWEEP_S = 1.0  # how often the background thread looks for idle tenants
 # but the ``update_lock`` the mirror was given (if any).
 ChangeFn = Callable[[int, bytes, bytes, bool], None]
 # (rank, event): every event of the stream, as the daemon sent it (its medium,
-# locality, restorable), after the mirror applied it; under ``update_lock``.
-TierFn = Callable[[int, pb.BlockEvent], None]
+# locality, restorable), before its presence changes reach on_change; None:
+# the stream had a gap (a new registration, a resubscription), events may have
+# been lost. Under ``update_lock``.
+TierFn = Callable[[int, pb.BlockEvent | None], None]
 Key = tuple[bytes, bytes]  # (tenant, hash)
 
 
@@ -326,10 +328,10 @@ class DaemonMirror:
         with self._update_lock:
             with self._lock:
                 changed = self._apply_locked(tenant, hashes, present)
+            if event is not None and self._on_tier is not None:
+                self._on_tier(self.rank, event)  # first: it may still need the hashes
             for h in changed:
                 self._on_change(self.rank, tenant, h, present)
-            if event is not None and self._on_tier is not None:
-                self._on_tier(self.rank, event)
 
     def _watch_begin(self) -> set[Key]:
         w: set[Key] = set()
@@ -558,6 +560,9 @@ class DaemonMirror:
         names its tenant on the observer pool, before it answers)."""
         assert self.pool_id is not None
         self.discovery.forget_all()  # blocks stored during the gap may be known again
+        if self._on_tier is not None:  # the tiers' events of the gap are lost
+            with self._update_lock:
+                self._on_tier(self.rank, None)
         with self._lock:
             snapshot = {t: list(s) for t, s in self._ready.items()}
         for tenant, hashes in snapshot.items():
@@ -590,11 +595,16 @@ class DaemonMirror:
                     if ev.namespace != self.namespace:
                         continue
                     # A removal from one tier of a block the other still holds
-                    # (restorable) leaves it restorable: the mirror keeps it.
+                    # (restorable) changes nothing here: the other tier's own
+                    # STORED made it present, and a later removal of it there
+                    # says when it is gone.
                     if ev.kind == pb.BLOCK_STORED:
                         self._set(ev.tenant, ev.block_hashes, True, ev)
-                    elif ev.kind == pb.BLOCK_REMOVED:
-                        self._set(ev.tenant, ev.block_hashes, ev.restorable, ev)
+                    elif ev.kind == pb.BLOCK_REMOVED and not ev.restorable:
+                        self._set(ev.tenant, ev.block_hashes, False, ev)
+                    elif self._on_tier is not None:
+                        with self._update_lock:
+                            self._on_tier(self.rank, ev)
                     if self._stop.is_set():
                         return
                 need_resync = True  # the stream ended: resubscribe and re-check

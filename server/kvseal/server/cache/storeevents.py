@@ -8,24 +8,31 @@ truthfully say, and claims nothing it cannot see:
 - BLOCK_STORED (``"storage"``, the daemon's ``--store-locality``) the first
   time this daemon knows a block is in the store: it wrote it (a spill or a
   write-through), a Lookup found its object, or a restore read it.
-- BLOCK_REMOVED (``"storage"``) for an announced block this daemon saw leave
-  the store: its own eviction to make room (EVICTED), a Drop (DROPPED), an
-  object that failed its checks (INTEGRITY), or a restore that found it gone
-  (EVICTED: another replica evicted it, or the host removed it).
+- BLOCK_REMOVED (``"storage"``) for a block this daemon saw leave the store:
+  its own eviction to make room (EVICTED) or a Drop (DROPPED) of an announced
+  block; an object that failed its checks (INTEGRITY: all of the tenant's
+  announced blocks if it was the tenant's scope marker), or a restore that
+  found it gone (EVICTED: another replica evicted it, or the host removed
+  it), announced or not.
 - Another replica's evictions are invisible until then: a watcher may still
   hold a block as in storage that a restore then misses (the engine
   recomputes; the removal is announced at that point).
+- An announcement racing a drop of its tenant is not made after the drop:
+  callers that checked the store without the spill lock pass the
+  :meth:`StoreEvents.mark` they took before checking.
 
 The host tier's BLOCK_REMOVED of a block announced here carries
 ``restorable`` (:meth:`StoreEvents.holds`, asked by the cache under the index
 lock): a mirror of what is restorable keeps the block.
 
 Bounded: the most recent :data:`MAX_KNOWN` announced blocks are remembered
-(key and object name, about 250 bytes each); an older one is retracted
-(BLOCK_REMOVED) when it is forgotten, so no watcher keeps a block this
-daemon can no longer retract. Thread-safe: one lock, held while publishing
-(the event bus's lock is a leaf), never while the filesystem is touched;
-never takes the index lock.
+(key and object name, about 250 bytes each). An older one is forgotten
+silently (it is still in the store: retracting it would be false); its
+eviction can then not be announced, and the first restore that misses it
+announces the removal. Thread-safe: one lock, held while publishing (the
+event bus's lock is a leaf), never while the filesystem is touched. It takes
+the index lock through ``in_host`` (under its own lock), so **no method but
+:meth:`holds` may be called with the index lock held**.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class StoreEvents:
         # ns + tenant + hash -> object name (None: not known), oldest first
         self._known: OrderedDict[bytes, str | None] = OrderedDict()
         self._by_name: dict[str, bytes] = {}
+        self._drops: dict[bytes, int] = {}  # ns + tenant -> drops announced (see mark)
         store.on_evict = self.evicted
 
     def __len__(self) -> int:
@@ -79,17 +87,27 @@ class StoreEvents:
         the index lock)."""
         return ns + tenant + block_hash in self._known
 
-    def stored(self, ns: bytes, tenant: bytes, hashes: Iterable[bytes]) -> None:
-        """These blocks are in the store: announce those not yet announced.
-        Reads each one's object name (its tenant's scope, usually cached)
-        before taking the lock."""
+    def mark(self, ns: bytes, tenant: bytes) -> int:
+        """The tenant's drop count: pass it to :meth:`stored` when the blocks
+        were found in the store without the spill lock held (a drop since
+        then cancels the announcement)."""
+        return self._drops.get(ns + tenant, 0)
+
+    def stored(
+        self, ns: bytes, tenant: bytes, hashes: Iterable[bytes], *, mark: int | None = None
+    ) -> None:
+        """These blocks are in the store: announce those not yet announced
+        (none if ``mark`` is given and a drop of the tenant was announced
+        since). Reads each one's object name (its tenant's scope, usually
+        cached) before taking the lock."""
         prefix = ns + tenant
         new = [h for h in dict.fromkeys(hashes) if prefix + h not in self._known]
         if not new:
             return
         names = [self._store.name_of(ns, tenant, h) for h in new]
-        retract: list[bytes] = []
         with self._lock:
+            if mark is not None and self._drops.get(prefix, 0) != mark:
+                return  # the tenant was dropped since they were found
             fresh = []
             for h, name in zip(new, names, strict=True):
                 k = prefix + h
@@ -102,30 +120,46 @@ class StoreEvents:
             self._bus.publish(
                 EventKind.STORED, "", ns, tenant, fresh, medium=MEDIUM, locality=self.locality
             )
-            while len(self._known) > self._max_known:
-                old, name = self._known.popitem(last=False)
+            while len(self._known) > self._max_known:  # forgotten silently (docstring)
+                _, name = self._known.popitem(last=False)
                 if name is not None:
                     self._by_name.pop(name, None)
-                retract.append(old)
-            self._publish_removed(retract, "EVICTED")
 
-    def removed(self, ns: bytes, tenant: bytes, hashes: Sequence[bytes], reason: str) -> None:
+    def removed(
+        self,
+        ns: bytes,
+        tenant: bytes,
+        hashes: Sequence[bytes],
+        reason: str,
+        *,
+        announced_only: bool = True,
+    ) -> None:
         """These blocks left the store (``reason``: a removal name, e.g.
-        ``"DROPPED"``): retract those that were announced."""
+        ``"DROPPED"``): retract those that were announced (all of them with
+        ``announced_only`` False: a restore saw them missing or failing)."""
         prefix = ns + tenant
         with self._lock:
-            gone = [prefix + h for h in hashes if self._forget(prefix + h)]
+            if reason == "DROPPED":
+                self._drops[prefix] = self._drops.get(prefix, 0) + 1
+            gone = [prefix + h for h in hashes if self._forget(prefix + h) or not announced_only]
             self._publish_removed(gone, reason)
 
     def dropped_tenant(self, ns: bytes, tenant: bytes) -> None:
         """A Drop(all_of_tenant): every announced block of the tenant is gone
-        (its store epoch rotated). One pass over the remembered blocks."""
+        (its store epoch rotated)."""
+        self.retract_tenant(ns, tenant, "DROPPED")
+
+    def retract_tenant(self, ns: bytes, tenant: bytes, reason: str) -> None:
+        """Every announced block of the tenant is gone (a drop, or its scope
+        marker failed its checks). One pass over the remembered blocks."""
         prefix = ns + tenant
         with self._lock:
+            if reason == "DROPPED":
+                self._drops[prefix] = self._drops.get(prefix, 0) + 1
             gone = [k for k in self._known if k.startswith(prefix)]
             for k in gone:
                 self._forget(k)
-            self._publish_removed(gone, "DROPPED")
+            self._publish_removed(gone, reason)
 
     def evicted(self, names: Sequence[str]) -> None:
         """``FsStore.on_evict``: records a put removed to make room."""

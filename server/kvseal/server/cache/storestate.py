@@ -1,11 +1,15 @@
 """The store tier's bookkeeping records (:mod:`kvseal.server.cache.storetier`
-owns and locks every instance; nothing here takes a lock)."""
+owns and locks every instance; nothing here takes a lock but
+:class:`PlaintextBuffers`, its own)."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvseal.server.sealing import SealRecord
+from kvseal.server.store.keysource import wipe
 
 ScopeKey = tuple[bytes, bytes]  # (namespace, tenant)
 
@@ -59,3 +63,39 @@ class StoreCounts:
     spills_skipped: int = 0  # queue full, block gone, too large, dropped
     errors: int = 0  # OSError from the filesystem (misses or skipped spills)
     host_auth_failures: int = 0  # a host-tier copy failed to open while spilling
+
+
+class PlaintextBuffers:
+    """Private plaintext buffers for promotions, reused: fresh memory faults in
+    page by page, which was the cost of a store read. A buffer is wiped when
+    it is given back, and kept only while all kept ones total at most
+    ``limit`` bytes. Thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._free: dict[int, list[bytearray]] = {}  # by size
+        self._bytes = 0
+
+    def take(self, size: int) -> bytearray:
+        """A buffer of ``size`` bytes (owned by the caller until given back)."""
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._bytes -= size
+                return free.pop()
+        return bytearray(size)
+
+    def give(self, bufs: Iterable[bytearray]) -> None:
+        """Wipe ``bufs`` and keep them for reuse, within the bound; the caller
+        must not touch them again."""
+        for b in bufs:
+            wipe(b)
+            with self._lock:
+                if self._bytes + len(b) <= self._limit:
+                    self._free.setdefault(len(b), []).append(b)
+                    self._bytes += len(b)
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._bytes

@@ -78,12 +78,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvseal.server import telemetry
 from kvseal.server.backends.base import Region
 from kvseal.server.cache.storeevents import StoreEvents
-from kvseal.server.cache.storestate import DropFence, Fence, ScopeKey, Spill, StoreCounts
+from kvseal.server.cache.storestate import (
+    DropFence,
+    Fence,
+    PlaintextBuffers,
+    ScopeKey,
+    Spill,
+    StoreCounts,
+)
 from kvseal.server.config import StorePolicy
 from kvseal.server.deadline import Deadline
 from kvseal.server.errors import BlockNotPresent, CapacityExhausted, StoreUnavailable
@@ -113,7 +120,9 @@ MAX_QUEUED_BYTES = 256 * 1024**2
 USAGE_REFRESH_S = 10.0
 # How long a drop waits for promotions that read the store before it.
 DROP_WAIT_S = 5.0
-# Wiped plaintext buffers kept for promotions, per block size.
+# Store reads a promotion asks the kernel to start ahead of the one it decrypts.
+PREFETCH = 16
+# Wiped plaintext buffers kept for promotions (all sizes together).
 FREE_BUFFER_BYTES = 64 * 1024**2
 
 
@@ -150,7 +159,7 @@ class StoreTier:
         # after _spill_lock, before _cv; never while the index lock is held).
         self._fence_lock = threading.Lock()
         self._fences: dict[ScopeKey, Fence] = {}
-        self._free: dict[int, list[bytearray]] = {}  # wiped plaintext buffers by size
+        self._buffers = PlaintextBuffers(FREE_BUFFER_BYTES)  # for promotions
         self._copying: list[Spill] = []  # eviction snapshots being copied
         self._running: Spill | None = None  # the spill thread's current job
         self._closed = False
@@ -174,6 +183,7 @@ class StoreTier:
         (host or store) and is never shorter than ``hit``. A filesystem error
         ends the checks there: the later blocks keep the host tier's states."""
         found: list[bytes] = []
+        mark = self.events.mark(ns, tenant)  # before the checks: a drop since cancels
         try:
             for i in range(hit, len(hashes)):
                 if states[i] is State.ABSENT and self.store.contains(ns, tenant, hashes[i]):
@@ -183,7 +193,7 @@ class StoreTier:
             self._note_error("lookup", e)
         if found:
             self._add(lookup_hits=len(found))
-            self.events.stored(ns, tenant, found)
+            self.events.stored(ns, tenant, found, mark=mark)
         while hit < len(states) and states[hit] is State.READY:
             hit += 1
         return hit
@@ -271,6 +281,7 @@ class StoreTier:
             return []
         got: dict[bytes, bytearray] = {}
         key = (ns, tenant)
+        mark = self.events.mark(ns, tenant)
         with self._cv:
             fence = self._fences.setdefault(key, Fence())
             fence.promoting += 1
@@ -278,28 +289,37 @@ class StoreTier:
         try:
             for i, h in enumerate(absent):
                 deadline.check("reading the store")
-                buf = self._buffer(size)
+                buf = self._buffers.take(size)
                 try:
-                    if i == 0 and len(absent) > 1:  # the device reads ahead while each decrypts
-                        self.store.prefetch(ns, tenant, absent)
                     plaintext = self.store.get(ns, tenant, h, buf)
+                    # The device reads the next blocks while this one decrypts: a
+                    # window ahead, once the first was a hit.
+                    ahead = absent[i + 1 : i + 1 + PREFETCH] if i == 0 else []
+                    ahead = ahead or absent[i + PREFETCH : i + PREFETCH + 1]
+                    if plaintext is not None and ahead:
+                        self.store.prefetch(ns, tenant, ahead)
                 except StoreIntegrityError as e:
                     log.error("store object of block %s failed its checks: %s", h.hex()[:16], e)
-                    self.events.removed(ns, tenant, [h], "INTEGRITY")
+                    if self.store.name_of(ns, tenant, h) is None:
+                        # It was the tenant's scope marker (removed): every block
+                        # of the tenant is gone, not only this one.
+                        self.events.retract_tenant(ns, tenant, "INTEGRITY")
+                    else:
+                        self.events.removed(ns, tenant, [h], "INTEGRITY", announced_only=False)
                     return [h]
                 except (OSError, StoreError) as e:
                     self._note_error("restore", e)
                     return []
-                if plaintext is None:  # gone since announced, or another geometry's
-                    self._release([buf])
-                    self.events.removed(ns, tenant, [h], "EVICTED")
+                if plaintext is None:  # gone (another replica evicted it), or another size
+                    self._buffers.give([buf])
+                    self.events.removed(ns, tenant, [h], "EVICTED", announced_only=False)
                     return []
                 got[h] = plaintext
-            self._seal_into_host(ns, tenant, hashes, got, size, fence, changes)
-            self.events.stored(ns, tenant, got)
+            if self._seal_into_host(ns, tenant, hashes, got, size, fence, changes):
+                self.events.stored(ns, tenant, got, mark=mark)
             return []
         finally:
-            self._release(got.values())
+            self._buffers.give(got.values())
             with self._cv:
                 fence.promoting -= 1
                 if fence.idle() and self._fences.get(key) is fence:
@@ -431,24 +451,6 @@ class StoreTier:
             for k, v in deltas.items():
                 setattr(self._counts, k, getattr(self._counts, k) + v)
 
-    def _buffer(self, size: int) -> bytearray:
-        """A private plaintext buffer of ``size`` bytes for a promotion, reused
-        (fresh memory faults in page by page, the cost of a store read)."""
-        with self._cv:
-            free = self._free.get(size)
-            if free:
-                return free.pop()
-        return bytearray(size)
-
-    def _release(self, bufs: Iterable[bytearray]) -> None:
-        """Wipe ``bufs`` (plaintext) and keep them for reuse, within a bound."""
-        for b in bufs:
-            wipe(b)
-            with self._cv:
-                free = self._free.setdefault(len(b), [])
-                if (len(free) + 1) * len(b) <= FREE_BUFFER_BYTES:
-                    free.append(b)
-
     def _in_host(self, ns: bytes, tenant: bytes, hashes: list[bytes]) -> set[bytes]:
         _, states = self._index.lookup(ns, tenant, hashes)
         return {h for h, s in zip(hashes, states, strict=True) if s is State.READY}
@@ -492,21 +494,21 @@ class StoreTier:
     def _seal_into_host(
         self, ns: bytes, tenant: bytes, hashes: Sequence[bytes], got: dict[bytes, bytearray],
         size: int, fence: Fence, changes: int,
-    ) -> None:  # fmt: skip
+    ) -> bool:  # fmt: skip
         """Seal the verified plaintexts into new host-tier entries (the
         request's own chain, so the parents link as an offload's would),
         unless a drop of the tenant began since ``changes`` was read: the
         check and the reservation are one step under the fence lock, so a
         drop either sees the entries (its index drop removes them) or the
-        promotion sees the drop."""
+        promotion sees the drop. True if the blocks were sealed in."""
         with self._fence_lock:
             with self._cv:
                 if fence.changes != changes or fence.dropping:
-                    return  # a drop ran meanwhile: serve nothing read before it
+                    return False  # a drop ran meanwhile: serve nothing read before it
             try:
                 plan = self._index.begin_store(ns, tenant, None, hashes, size)
             except CapacityExhausted:
-                return  # everything pinned: the restore fails as a miss would
+                return False  # everything pinned: the restore fails as a miss would
         self.evicting(plan.evicted)
         records: list[SealRecord | None] = []
         try:
@@ -528,6 +530,7 @@ class StoreTier:
             raise
         self._index.complete_store(plan.new, records)
         self._add(promoted=sum(r is not None for r in records))
+        return True
 
     def _discard(self, job: Spill) -> None:
         """A queued spill that will not run: release what it holds."""
@@ -618,7 +621,8 @@ class StoreTier:
                     self._add(spills_skipped=1)  # a drop since it was queued, or running
                     return
                 self.store.put(job.ns, job.tenant, job.block_hash, plaintext)
-            self.events.stored(job.ns, job.tenant, [job.block_hash])
+                # Under the spill lock: a drop (which holds it) cannot slip between.
+                self.events.stored(job.ns, job.tenant, [job.block_hash])
         except KeyDestroyed:
             self._add(spills_skipped=1)  # its tenant was dropped
         except AuthenticationFailed:

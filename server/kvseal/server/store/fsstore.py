@@ -262,7 +262,11 @@ class FsStore:
             binding = Binding(namespace, tenant, scope.epoch_id, block_hash)
             data = seal(self._scopes.record_key(scope, header.salt), header, binding, plaintext)
             evicted = self._dir.make_room(name, len(data), self.shard_capacity)
-            self._dir.publish(name, data, replace=True)
+            try:
+                self._dir.publish(name, data, replace=True)
+            finally:  # what make_room removed is gone even if the publish failed
+                if evicted.names and self.on_evict is not None:
+                    self.on_evict(evicted.names)
             self._remember(name, header.generation)
         finally:
             with self._lock:
@@ -273,8 +277,6 @@ class FsStore:
             evicted_bytes=evicted.bytes,
             temp_files_swept=evicted.temp_files,
         )
-        if evicted.names and self.on_evict is not None:
-            self.on_evict(evicted.names)
         return True
 
     def get(
@@ -312,11 +314,10 @@ class FsStore:
             header.expect(KIND_BLOCK, self._keys.key_id)
             rkey = self._scopes.record_key(scope, header.salt)
             binding = Binding(namespace, tenant, scope.epoch_id, block_hash)
-            if out is not None and len(out) != header.ct_len:
-                wipe(rkey)
-                self._count(misses=1)  # another geometry's block: not this caller's
-                return None
-            plaintext = open_record(rkey, data, header, binding, out)
+            wrong_size = out is not None and len(out) != header.ct_len
+            # Authenticated whatever its size (a record resized by the host is
+            # tampering, not a miss): another size goes to a scratch buffer.
+            plaintext = open_record(rkey, data, header, binding, None if wrong_size else out)
         except (ScopeChanged, UnsupportedVersion):
             # A newer replica's record format is not tampering: a miss, kept.
             self._count(misses=1)
@@ -325,6 +326,10 @@ class FsStore:
             self._dir.remove(name, ident)
             self._count(integrity_failures=1)
             raise
+        if wrong_size:  # an authentic block of another geometry: not this caller's
+            wipe(plaintext)
+            self._count(misses=1)
+            return None
         try:
             if self._is_replay(name, header.generation):
                 wipe(plaintext)
