@@ -38,3 +38,22 @@ bench-serving-sglang: venv-sglang
 serving-report-sglang: venv-vllm
 	$(VLLM_PY) -m bench.serving.report $(SERVING_SGLANG_RESULTS) --md docs/serving.md \
 	  --section sglang-tables --png-prefix docs/serving-sglang
+
+# The sealed store tier (docs/store.md) at its two serving points, restart-warm
+# and second replica (bench/serving/store_points.py: kvseal write-through with
+# --store-dir and a file: key against a restarted no-offload engine, one engine
+# at a time), into its own results file (docs/serving.md, "The sealed store tier").
+#
+#   make bench-serving-store ARGS=--quick   one repetition of a short round (about 6 minutes on 2 cores)
+#   make bench-serving-store                three repetitions (about 30 minutes on 2 cores)
+#   make serving-report-store               docs/serving.md's store tables and docs/serving-store.png
+SERVING_STORE_RESULTS ?= docs/serving-store-results.json
+
+.PHONY: bench-serving-store serving-report-store
+
+bench-serving-store: venv-vllm
+	$(VLLM_PY) -m bench.serving.store_points --work $(SERVING_WORK)-store $(ARGS)
+
+serving-report-store: venv-vllm
+	$(VLLM_PY) -m bench.serving.store_points --report $(SERVING_STORE_RESULTS) \
+	  --md docs/serving.md --png docs/serving-store.png

@@ -410,6 +410,14 @@ def plots(res: dict[str, Any], prefix: str) -> list[str]:
     return files
 
 
+def write_section(md: Path, section: str, lines: list[str]) -> None:
+    """Replace what lies between ``<!-- SECTION:begin -->`` and ``:end`` in ``md``."""
+    s = md.read_text()
+    begin, end = _markers(section)
+    i, j = s.index(begin) + len(begin), s.index(end)
+    md.write_text(s[:i] + "\n" + "\n".join(lines) + "\n" + s[j:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("results", nargs="+", help="results JSONs; later files add points")
@@ -432,11 +440,7 @@ def main() -> None:
         Path(args.merged).write_text(json.dumps(res, indent=1))
     lines = summary_lines(res)
     if args.md:
-        md = Path(args.md)
-        s = md.read_text()
-        begin, end = _markers(args.section)
-        i, j = s.index(begin) + len(begin), s.index(end)
-        md.write_text(s[:i] + "\n" + "\n".join(lines) + "\n" + s[j:])
+        write_section(Path(args.md), args.section, lines)
     else:
         print("\n".join(lines))
     if args.png_prefix:

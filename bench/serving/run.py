@@ -191,15 +191,18 @@ class Client:
 
 
 def llmd_requests(seed: int, groups: int, per_group: int, prefix: int,
-                  question: int, passes: int = 1) -> list[str]:  # fmt: skip
+                  question: int, passes: int = 1,
+                  question_seed: int | None = None) -> list[str]:  # fmt: skip
     """``groups`` x ``per_group`` prompts (a group's shared prefix + a fresh
     question each), shuffled once and then sent ``passes`` times over in that
     order: what llm-d's harness (inference-perf's shared-prefix generator)
     does: it shuffles its prompt list once and cycles through it for the
-    whole run, so every prompt recurs once per cycle."""
+    whole run, so every prompt recurs once per cycle. ``question_seed``: the
+    same prefixes (``seed``'s) with questions of that seed's own."""
     rng = random.Random(seed)
     prefixes = [words(rng, prefix) for _ in range(groups)]
-    out = [text(prefixes[g] + words(rng, question)) for g in range(groups)
+    qrng = rng if question_seed is None else random.Random(question_seed)
+    out = [text(prefixes[g] + words(qrng, question)) for g in range(groups)
            for _ in range(per_group)]  # fmt: skip
     rng.shuffle(out)
     return out * passes
@@ -324,8 +327,9 @@ def free_port() -> int:
 
 
 class Arm:
-    def __init__(self, name: str, model: Path, work: Path) -> None:
+    def __init__(self, name: str, model: Path, work: Path, mode: str | None = None) -> None:
         self.name, self.model, self.work = name, model, work / name
+        self.mode = mode or name  # the kind of arm (ARMS); the name only labels it
         self.work.mkdir(parents=True, exist_ok=True)
         self.daemon: Daemon | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -333,9 +337,9 @@ class Arm:
         self.client = Client(self.port, str(model))
 
     def kv_transfer(self) -> dict[str, Any] | None:
-        if self.name == "none":
+        if self.mode == "none":
             return None
-        if self.name == "plain":
+        if self.mode == "plain":
             return {
                 "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {
@@ -350,17 +354,18 @@ class Arm:
             "kv_connector_module_path": "kvseal.vllm.connector", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "kvseal_socket": self.daemon.socket, "kvseal_write_back": self.name == "wb",
+                "kvseal_socket": self.daemon.socket, "kvseal_write_back": self.mode == "wb",
             },
         }  # fmt: skip
 
     def start(self) -> float:
         t0 = time.monotonic()
-        if self.name in ("wt", "wb"):
+        if self.mode in ("wt", "wb"):
             # Host region sized to HOST_BLOCKS sealed blocks (ciphertext + tag).
             self.daemon = Daemon(
-                self.work / "daemon", host_bytes=str(HOST_BLOCKS * (BLOCK_BYTES + 64))
-            ).start()
+                self.work / "daemon", extra=self.daemon_extra(),
+                host_bytes=str(HOST_BLOCKS * (BLOCK_BYTES + 64)),
+            ).start()  # fmt: skip
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
@@ -378,7 +383,9 @@ class Arm:
         # connector arms 2 (vLLM's ompmultiprocessing: the reservation exceeds
         # the cores and is dropped): a handicap of the baseline, not a cost.
         cpus = sorted(os.sched_getaffinity(0))
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING",
+        # ROOT, then what the caller set (e.g. a clean copy of the tree to measure).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "VLLM_LOGGING_LEVEL": "WARNING",
                "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus)}  # fmt: skip
         with open(self.work / "serve.log", "wb") as logf:  # the child keeps its own copy
@@ -394,6 +401,10 @@ class Arm:
             except OSError:
                 time.sleep(1)
         raise RuntimeError(f"{self.name}: vllm serve not up: {self.tail()}")
+
+    def daemon_extra(self) -> tuple[str, ...]:
+        """More flags for a kvseal arm's daemon (bench/serving/store_points.py)."""
+        return ()
 
     def tail(self) -> str:
         return (self.work / "serve.log").read_text(errors="replace")[-4000:]
@@ -638,6 +649,19 @@ def workload_points(pl: dict[str, Any]) -> list[tuple[str, str, float, Any]]:
     return pts
 
 
+def measure(arm: Arm, fn: Any) -> dict[str, Any]:
+    """Run one point, ``fn(client)``, on an arm: its summary from the engine's
+    and the daemon's counters before and after, and the CPU time it took."""
+    m0, s0, c0 = arm.client.metrics(), arm.stats(), arm.cpu_seconds()
+    results, wall = fn(arm.client)
+    time.sleep(1.0)  # asynchronous offloads land before the counters are read
+    pt = summarize(results, wall, m0, arm.client.metrics(), s0, arm.stats())
+    arm.adjust(pt)
+    c1 = arm.cpu_seconds()
+    pt.update({k: round(c1[k] - c0[k], 2) for k in c1})
+    return pt
+
+
 def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
              res: dict[str, Any], save: Any) -> None:  # fmt: skip
     """All arms' servers up at once, then every point run arm after arm (the
@@ -674,13 +698,7 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
         save()
         for k, (wl, key, val, fn) in enumerate(workload_points(pl)):
             for arm in arms[k % len(arms) :] + arms[: k % len(arms)]:
-                m0, s0, c0 = arm.client.metrics(), arm.stats(), arm.cpu_seconds()
-                results, wall = fn(arm.client)
-                time.sleep(1.0)  # asynchronous offloads land before the counters are read
-                pt = summarize(results, wall, m0, arm.client.metrics(), s0, arm.stats())
-                arm.adjust(pt)
-                c1 = arm.cpu_seconds()
-                pt.update({k: round(c1[k] - c0[k], 2) for k in c1})
+                pt = measure(arm, fn)
                 pt.update(workload=wl, x_name=key, x=val, load_avg=os.getloadavg()[0])
                 res["arms"][arm.name]["points"].append(pt)
                 _point_log(arm.name, pt)
@@ -694,6 +712,14 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
             arm.stop()
 
 
+def prepare(work_arg: str, out_arg: str | None) -> tuple[Path, Path, Path]:
+    """The work directory (made), the results file and the model (built once)."""
+    work = Path(work_arg).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(out_arg) if out_arg else work / "results.json"
+    return work, out, make_model(work / "model")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one short point per workload")
@@ -705,10 +731,7 @@ def main() -> None:
     ap.add_argument("--work", default=str(ROOT / "build" / "bench-serving"))
     ap.add_argument("--out", default=None, help="results JSON (default: WORK/results.json)")
     args = ap.parse_args()
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out) if args.out else work / "results.json"
-    model = make_model(work / "model")
+    work, out, model = prepare(args.work, args.out)
     pl = plan(args.quick)
     if args.rates:
         pl["llmd"]["rates"] = [float(r) for r in args.rates.split(",")]
