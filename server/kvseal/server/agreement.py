@@ -19,8 +19,13 @@ namespace no pool can have (pool namespaces are digests of a model
 fingerprint and a geometry) and may be evicted like any block: the next
 registration writes it again. First writer wins: a record is never
 rewritten while it can be read, so the first replica's facts are the
-reference, and an evicted or tampered one (a miss: the store removed it)
-makes the next registrant the reference.
+reference (two first registrations at once both write it; each reads it
+back, so a registration whose record was replaced before it read it back is
+warned: narrowed, not closed), and an evicted or tampered
+one (a miss: the store removed it) makes the next registrant the reference.
+The seed's digest is of a value that may be small (``PYTHONHASHSEED`` is an
+integer): it is sent only to the daemon, inside the VM, and stored only
+sealed.
 """
 
 from __future__ import annotations
@@ -100,7 +105,11 @@ class Agreement:
             got = self._store.get(NAMESPACE, TENANT, name)
             if got is None:
                 self._store.put(NAMESPACE, TENANT, name, json.dumps(mine).encode())
-                return []
+                # Read back: two first registrations at once (replicas started
+                # together) both write, and the last rename is the reference.
+                got = self._store.get(NAMESPACE, TENANT, name)
+                if got is None:
+                    return []
             try:
                 ref = json.loads(bytes(got))
             finally:
