@@ -61,13 +61,16 @@ class _Part:
     """One engine's run: its requests by tenant, and the daemon's figures."""
 
     def __init__(self, model: str, daemon: Any, metrics_port: int) -> None:
-        from tests_vllm.driver import BLOCK, KV_BLOCKS, Engine
+        from tests_vllm.driver import BLOCK, KV_BLOCKS, Engine, Subscriber
 
         self.daemon, self.port = daemon, metrics_port
         kv_bytes = KV_BLOCKS * BLOCK * 2 * 2 * 2 * 32 * 2  # as driver.py sizes it
         sock = daemon.socket if daemon else None
         extra = {"kvseal_lookup_discovery": True}
-        self.eng = Engine(model, kv_bytes, sock, free_port(), extra)
+        zmq_port = free_port()
+        # vLLM's KV events (ZMQ), as llm-d's indexer receives them.
+        self.sub = Subscriber(zmq_port) if daemon is not None else None
+        self.eng = Engine(model, kv_bytes, sock, zmq_port, extra)
         self.res: dict[str, Any] = {"runs": {}, "figures": {}}
 
     def figures(self, name: str) -> None:
@@ -99,6 +102,8 @@ class _Part:
         self.res["spilled"] = wait_for(done, 30)
 
     def close(self) -> dict[str, Any]:
+        if self.sub is not None:
+            self.res["events"] = self.sub.close()["counts"]
         self.eng.llm.llm_engine.engine_core.shutdown()
         if self.daemon is not None:
             self.res["daemon_rc"] = self.daemon.stop()
@@ -272,3 +277,15 @@ def test_a_daemon_with_another_key_misses_and_the_engine_recomputes(
 
 if __name__ == "__main__":
     main()
+
+
+def test_vllms_kv_events_name_the_store_tier(store_run: dict[str, Any]) -> None:
+    """llm-d's view (vLLM's ZMQ KV events): the first engine's blocks are
+    published stored in the CPU tier and in the STORAGE tier (the daemon has a
+    store), and the restarted engine's, found in the store by discovery and
+    promoted, in the STORAGE tier and then the CPU tier again."""
+    first, second = store_run["first"]["events"], store_run["second"]["events"]
+    assert first.get("BlockStored:CPU", 0) > 0, first
+    assert first.get("BlockStored:STORAGE", 0) > 0, first
+    assert second.get("BlockStored:STORAGE", 0) > 0, second
+    assert second.get("BlockStored:CPU", 0) > 0, second
