@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import re
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvseal.client import chain_block_hashes
 
@@ -73,3 +75,23 @@ def scrape(port: int) -> dict[str, float]:
             name, _, value = line.partition(" ")
             out[name] = float(value)
     return out
+
+
+def store_and_stop(
+    daemon_factory: Callable[..., Any],
+    flags: Sequence[str],
+    geometry: Any,
+    tenant: bytes,
+    hashes: list[bytes],
+    store: Path,
+) -> list[Path]:
+    """Offload ``hashes`` from pages 0, 1, ... through a daemon started with
+    ``flags`` (pool "engine" of ``geometry``), wait until every one is in
+    ``store``, stop the daemon cleanly (exit 0); the objects written."""
+    d = daemon_factory(*flags)
+    with d.client() as c:
+        h = c.register_pool("engine", FP, geometry)
+        c.offload(h.pool_id, tenant, hashes, list(range(len(hashes))))
+    found = wait_objects(store, len(hashes))
+    assert d.stop() == 0
+    return found

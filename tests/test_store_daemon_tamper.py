@@ -28,7 +28,7 @@ from kvseal.client.shm import SharedKVPool
 from kvseal.server.config import EXIT_INTEGRITY
 
 from .conftest import DaemonProc, fill_random, is_poisoned, poison
-from .store_helpers import FP, chain, key_file, objects, store_flags, wait_objects
+from .store_helpers import FP, chain, key_file, objects, store_and_stop, store_flags, wait_objects
 
 Factory = Callable[..., DaemonProc]
 RESOURCE = "default/kvseal/store-key"
@@ -70,12 +70,7 @@ def test_tampered_store_fails_under_the_integrity_policy(
     fill_random(pool)
     tenant = tenant_digest("user-a")
     hashes = chain(3, pool.shape.tokens_per_page, b"user-a")
-    a = daemon_factory(*flags)
-    with a.client() as c:
-        h = c.register_pool("engine", FP, pool.geometry())
-        c.offload(h.pool_id, tenant, hashes, [0, 1, 2])
-    found = wait_objects(store, 3)
-    assert a.stop() == 0
+    found = store_and_stop(daemon_factory, flags, pool.geometry(), tenant, hashes, store)
     ATTACKS[attack](found)
     b = daemon_factory(*flags, "--on-integrity-failure", policy)
     poison(pool, list(range(6)))

@@ -27,7 +27,7 @@ from kvseal.client.shm import SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
 
 from .conftest import DaemonProc, fill_random
-from .store_helpers import FP, chain, key_file, store_flags, wait_objects
+from .store_helpers import FP, chain, key_file, store_and_stop, store_flags, wait_objects
 
 Factory = Callable[..., DaemonProc]
 # 128 KiB blocks (bfloat16): the smallest host tier (1 MiB) holds a few.
@@ -138,12 +138,7 @@ def test_restarted_daemon_announces_the_store_blocks_a_lookup_finds(
     fill_random(pool)
     tenant = tenant_digest("user-a")
     hashes = chain(3, pool.shape.tokens_per_page, b"user-a")
-    a = daemon_factory(*flags)
-    with a.client() as c:
-        h = c.register_pool("engine", FP, pool.geometry())
-        c.offload(h.pool_id, tenant, hashes, [0, 1, 2])
-    wait_objects(store, 3)
-    assert a.stop() == 0
+    store_and_stop(daemon_factory, flags, pool.geometry(), tenant, hashes, store)
     b = daemon_factory(*flags)
     with b.client() as c:
         h = c.register_pool("engine", FP, pool.geometry())
