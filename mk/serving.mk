@@ -45,7 +45,7 @@ serving-report-sglang: venv-vllm
 # at a time), into its own results file (docs/serving.md, "The sealed store tier").
 #
 #   make bench-serving-store ARGS=--quick   one repetition of a short round (about 6 minutes on 2 cores)
-#   make bench-serving-store                three repetitions (about 30 minutes on 2 cores)
+#   make bench-serving-store                three repetitions (about 26 minutes on 2 cores)
 #   make serving-report-store               docs/serving.md's store tables and docs/serving-store.png
 SERVING_STORE_RESULTS ?= docs/serving-store-results.json
 

@@ -14,8 +14,10 @@ behind a real ``vllm serve``, at the two points it exists for.
 The baseline is a no-offload engine that serves the first round, is
 restarted, and serves the second: a restarted engine and a fresh replica
 without a second tier are the same thing (an empty prefix cache), so one
-no-offload run per repetition is the baseline of both points. Each
-repetition runs the three (restart-warm, no offload, second replica) one
+no-offload run per repetition is the baseline of both points. A control,
+``none-b``, is a fresh no-offload engine serving only the second round with
+arrivals drawn from another seed (the same prompts in other batches: how far
+batching alone moves greedy answers). Each repetition runs the four one
 after another, the order rotating from repetition to repetition; only one
 engine runs at a time. Every repetition sends the same prompts (seeded), each
 kvseal point into a fresh store directory.
@@ -296,7 +298,7 @@ def tables(res: dict[str, Any]) -> list[str]:
             spilled = statistics.median(s.get("spills", 0) for s in st)
             sb = "—" if point in BASELINES else f"{promoted:.0f} / {spilled:.0f}"
             ratio = "—"
-            if b is not None and point != "none" and p["ttft_mean"] and p["ttft_p50"]:
+            if b is not None and point not in BASELINES and p["ttft_mean"] and p["ttft_p50"]:
                 ratio = (f"{b['ttft_mean'] / p['ttft_mean']:.2f}x, "
                          f"{b['ttft_p50'] / p['ttft_p50']:.2f}x, "
                          f"{b['ttft_p99'] / p['ttft_p99']:.2f}x")  # fmt: skip
