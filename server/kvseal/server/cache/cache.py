@@ -27,6 +27,7 @@ from kvseal.server.cache.results import (
 )
 from kvseal.server.cache.storeevents import publish_host_event
 from kvseal.server.cache.storetier import StoreTier
+from kvseal.server.cache.tenants import TENANT_IDLE_S, TenantBook
 from kvseal.server.config import IntegrityPolicy, ServerConfig
 from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import (
@@ -45,15 +46,10 @@ from kvseal.server.store.fsstore import FsStore
 
 log = logging.getLogger("kvseal.cache")
 MAX_OWNER_TOKEN = 64
-# Tenants remembered per pool for its event watchers (32 B each, plus dict overhead).
-MAX_POOL_TENANTS = 65536
-# A tenant a pool named is forgotten once no request on the pool has named it
-# for this long and it holds no block in the pool's namespace (sweep_tenants):
-# with a salt per user or conversation, tenants come and go all the time.
-TENANT_IDLE_S = 600.0
+__all__ = ["TENANT_IDLE_S", "SealedCache"]
 
 
-class SealedCache:
+class SealedCache(TenantBook):
     """Owns the index, the region and the pools; thread-safe.
 
     ``on_integrity_abort`` is called once, from the request thread that saw
@@ -263,55 +259,6 @@ class SealedCache:
 
     # ---------------------------------------------------------------- events
 
-    def note_tenant(self, pool_id: str, tenant: bytes) -> None:
-        """Record that a request on ``pool_id`` names ``tenant``, so that the pool's
-        event watchers receive that tenant's events. Called before the request
-        runs (a watcher sees the events the request itself causes); a malformed
-        tenant or an unknown pool is ignored (the request reports it). Beyond
-        ``MAX_POOL_TENANTS`` tenants the first-named is forgotten until its next
-        request (a known tenant is never removed and re-added: the publisher reads
-        the set without this lock, and must not see it missing meanwhile), and an
-        idle one with no block left goes at the next :meth:`sweep_tenants`."""
-        if len(tenant) != TENANT_BYTES:
-            return
-        try:
-            with self.pools.use(pool_id) as pool:
-                self._note_tenant(pool, tenant)
-        except UnknownPool:
-            return
-
-    def _note_tenant(self, pool: Pool, tenant: bytes) -> None:
-        """:meth:`note_tenant` on a pool the caller holds a lease on."""
-        used = pool.tenants
-        now = time.monotonic()
-        if tenant in used:  # the common case: no lock (a known key keeps its place)
-            used[tenant] = now
-            return
-        with self._tenants_lock:
-            used[tenant] = now
-            while len(used) > MAX_POOL_TENANTS:
-                del used[next(iter(used))]
-
-    def sweep_tenants(self, now: float | None = None, idle_s: float = TENANT_IDLE_S) -> int:
-        """Forget, in every pool, the tenants no request on it named for
-        ``idle_s`` seconds that hold no block in its namespace, so that the
-        daemon's per-tenant state follows the active tenants, not every tenant
-        ever seen. Returns how many were forgotten. Runs off the request path
-        (the servicer's timer thread); takes no index lock. A request that names
-        a tenant while it is being forgotten may see its events skip this pool's
-        watchers until its next request: the engine's scheduler counts its own
-        stores anyway (kvseal.vllm), and a stale view costs a recompute."""
-        now = time.monotonic() if now is None else now
-        gone = 0
-        for pool in self.pools.all():
-            used = pool.tenants
-            with self._tenants_lock:
-                for tenant, last in list(used.items()):
-                    if now - last >= idle_s and not self.index.has_blocks(pool.namespace, tenant):
-                        del used[tenant]
-                        gone += 1
-        return gone
-
     def subscribe_events(self, pool_id: str, tenant: bytes) -> tuple[Pool, Subscription]:
         """A WatchEvents subscription scoped to the pool (see ``events``): its
         namespace, the tenants its requests named, optionally one ``tenant``.
@@ -398,7 +345,11 @@ class SealedCache:
                 plan = self.index.begin_store(ns, tenant, parent_hash, hashes, size)
                 telemetry.annotate(evicted_blocks=len(plan.evicted), new_blocks=len(plan.new))
             if self.store is not None:  # before the victims' slots are reused
-                self.store.evicting(plan.evicted)
+                try:
+                    self.store.evicting(plan.evicted)
+                except BaseException:  # a snapshot failed (EIO, MemoryError): undo it all
+                    self.index.abort_store(plan, ())  # nothing written: every victim back
+                    raise
             blocks = [
                 BlockIO(
                     pages[pos],

@@ -82,6 +82,7 @@ from collections.abc import Callable, Sequence
 
 from kvseal.server import telemetry
 from kvseal.server.backends.base import Region
+from kvseal.server.cache.spillworker import MAX_QUEUED_BLOCKS, SpillWorker
 from kvseal.server.cache.storeevents import StoreEvents
 from kvseal.server.cache.storestate import (
     DropFence,
@@ -93,31 +94,19 @@ from kvseal.server.cache.storestate import (
 )
 from kvseal.server.config import StorePolicy
 from kvseal.server.deadline import Deadline
-from kvseal.server.errors import BlockNotPresent, CapacityExhausted, StoreUnavailable
+from kvseal.server.errors import CapacityExhausted, StoreUnavailable
 from kvseal.server.events import EventBus
 from kvseal.server.index import Entry, Index, State
 from kvseal.server.sealing import (
     TAG_BYTES,
-    AuthenticationFailed,
     BlockAD,
     BlockSealer,
-    KeyDestroyed,
-    SealingError,
     SealRecord,
 )
 from kvseal.server.store.errors import StoreError, StoreIntegrityError
 from kvseal.server.store.fsstore import FsStore
-from kvseal.server.store.keysource import wipe
-from kvseal.server.threads import name_os_thread
 
 log = logging.getLogger("kvseal.store")
-# The spill queue's bounds: hashes are cheap (write-through), snapshots are
-# whole blocks of ciphertext (spill policy), so both are capped.
-MAX_QUEUED_BLOCKS = 65536
-MAX_QUEUED_BYTES = 256 * 1024**2
-# How often the spill thread rescans the directory for the usage gauges (a
-# full listing: never on a scrape, never on a request).
-USAGE_REFRESH_S = 10.0
 # How long a drop waits for promotions that read the store before it.
 DROP_WAIT_S = 5.0
 # Store reads a promotion asks the kernel to start ahead of the one it decrypts.
@@ -126,7 +115,7 @@ PREFETCH = 16
 FREE_BUFFER_BYTES = 64 * 1024**2
 
 
-class StoreTier:
+class StoreTier(SpillWorker):
     """See the module docstring. ``on_abort`` is called (from the spill
     thread) when the store's checks fail there under the ``abort`` policy."""
 
@@ -209,62 +198,6 @@ class StoreTier:
                     continue
                 self._queue.append(Spill(ns, tenant, e.block_hash, self._drops_of(ns, tenant)))
             self._cv.notify()
-
-    def evicting(self, victims: Sequence[Entry]) -> None:
-        """An offload (or a promotion) doomed ``victims`` and is about to reuse
-        their slots (spill policy: snapshot their ciphertext now). Runs on the
-        request's thread: a copy of host memory per victim, nothing more."""
-        if self.policy is not StorePolicy.SPILL or not victims:
-            return
-        for v in victims:
-            rec = v.record
-            if rec is None or v.size > self.store.config.max_object_bytes:
-                self._add(spills_skipped=1)
-                continue
-            ns, tenant, h = v.key
-            job: Spill | None = None
-            with self._cv:
-                room = (
-                    len(self._queue) < MAX_QUEUED_BLOCKS
-                    and self._queued_bytes + v.size <= MAX_QUEUED_BYTES
-                )
-                if room:
-                    self._queued_bytes += v.size  # reserved before the copy
-                    # The drop count is taken *before* the key is retained: a
-                    # drop after this point makes the job stale, one before it
-                    # destroyed the key (retain fails). Listed while copying so
-                    # a Drop(block_hashes) can cancel it.
-                    drops = self._drops_of(ns, tenant)
-                    job = Spill(ns, tenant, h, drops, v.size, None, rec, v.generation)
-                    self._copying.append(job)
-            if job is None:
-                self._add(spills_skipped=1)
-                continue
-            retained = self._sealer.retain(rec.epoch)
-            try:
-                if not retained:
-                    raise KeyDestroyed("the victim's key is gone")
-                sealed = bytearray(v.size + TAG_BYTES)
-                n = self._region.read_into(v.extent.offset, memoryview(sealed)[: v.size])
-                sealed[v.size :] = rec.tag
-            except BaseException:
-                with self._cv:  # release the reservation whatever failed
-                    self._copying.remove(job)
-                    self._queued_bytes -= v.size
-                    self._counts.spills_skipped += 1
-                if retained:
-                    self._sealer.forget(rec.epoch)
-                    raise
-                continue
-            with self._cv:
-                self._copying.remove(job)
-                job.sealed = sealed
-                if n != v.size or job.cancelled:  # the host shrank the region, or dropped
-                    self._discard(job)
-                    self._counts.spills_skipped += 1
-                    continue
-                self._queue.append(job)
-                self._cv.notify()
 
     def promote(
         self, ns: bytes, tenant: bytes, hashes: Sequence[bytes], size: int, deadline: Deadline
@@ -446,31 +379,6 @@ class StoreTier:
 
     # ------------------------------------------------------------ internals
 
-    def _add(self, **deltas: int) -> None:
-        with self._cv:
-            for k, v in deltas.items():
-                setattr(self._counts, k, getattr(self._counts, k) + v)
-
-    def _in_host(self, ns: bytes, tenant: bytes, hashes: list[bytes]) -> set[bytes]:
-        _, states = self._index.lookup(ns, tenant, hashes)
-        return {h for h, s in zip(hashes, states, strict=True) if s is State.READY}
-
-    def _note_error(self, what: str, e: BaseException) -> None:
-        self._add(errors=1)
-        log.warning("store %s: %s: %s (treated as a miss)", what, type(e).__name__, e)
-
-    def _drops_of(self, ns: bytes, tenant: bytes) -> int:
-        """The tenant's drop count (under ``_cv``)."""
-        fence = self._fences.get((ns, tenant))
-        return 0 if fence is None else fence.drops
-
-    def _publishable(self, job: Spill) -> bool:
-        """Whether no drop has touched ``job`` since it was queued (under ``_cv``)."""
-        fence = self._fences.get((job.ns, job.tenant))
-        if fence is None:
-            return not job.cancelled and job.drops == 0
-        return not job.cancelled and job.drops == fence.drops and not fence.dropping_all
-
     def _cancel(self, key: ScopeKey, hashes: set[bytes] | None) -> None:
         """Discard the queued spills of ``key`` (only of ``hashes`` unless
         None) and mark those being copied or run cancelled (under ``_cv``)."""
@@ -509,11 +417,12 @@ class StoreTier:
                 plan = self._index.begin_store(ns, tenant, None, hashes, size)
             except CapacityExhausted:
                 return False  # everything pinned: the restore fails as a miss would
-        self.evicting(plan.evicted)
         records: list[SealRecord | None] = []
+        written = 0  # slots of plan.new that may hold new bytes (the victims there are lost)
         try:
+            self.evicting(plan.evicted)  # all or nothing: a failure undoes the plan below
             out = bytearray(size + TAG_BYTES)
-            for e in plan.new:
+            for i, e in enumerate(plan.new):
                 plaintext = got.get(e.block_hash)
                 if plaintext is None:  # left the host tier after the lookup above
                     records.append(None)
@@ -521,9 +430,10 @@ class StoreTier:
                 ad = BlockAD(ns, tenant, e.block_hash, e.generation)
                 rec = self._sealer.seal_into(memoryview(plaintext), ad, memoryview(out))
                 records.append(rec)
+                written = i + 1
                 self._region.write(e.extent.offset, memoryview(out)[:size])
         except BaseException:
-            self._index.abort_store(plan, range(len(plan.new)))
+            self._index.abort_store(plan, range(written))
             for r in records:
                 if r is not None:
                     self._sealer.forget(r.epoch)
@@ -531,112 +441,3 @@ class StoreTier:
         self._index.complete_store(plan.new, records)
         self._add(promoted=sum(r is not None for r in records))
         return True
-
-    def _discard(self, job: Spill) -> None:
-        """A queued spill that will not run: release what it holds."""
-        if job.sealed is not None and job.record is not None:
-            self._queued_bytes -= job.size
-            wipe(job.sealed)
-            self._sealer.forget(job.record.epoch)
-
-    def _run(self) -> None:
-        name_os_thread("kvseal-spill")
-        next_scan = 0.0
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    if time.monotonic() >= next_scan:
-                        break
-                    self._cv.wait(max(0.0, next_scan - time.monotonic()))
-                if self._closed:
-                    return
-                job = self._queue.popleft() if self._queue else None
-                if job is not None and job.sealed is not None:
-                    self._queued_bytes -= job.size
-                self._running = job
-            if job is not None:
-                try:
-                    self._spill(job)
-                except Exception:
-                    log.exception("store: a spill failed unexpectedly; the block stays host-only")
-                    self._add(spills_skipped=1)
-                finally:
-                    with self._cv:
-                        self._running = None
-            if time.monotonic() >= next_scan:  # also while spills keep coming
-                next_scan = time.monotonic() + USAGE_REFRESH_S
-                self._rescan()
-
-    def _rescan(self) -> None:
-        try:
-            u = self.store.usage()
-        except OSError as e:
-            self._note_error("usage scan", e)
-            return
-        self._usage = (u.objects, u.total_bytes)
-
-    def _snapshot(self, job: Spill) -> bool:
-        """Write-through: pin the block, copy its ciphertext and retain its key
-        epoch; False if it already left the host tier."""
-        try:
-            (e,) = self._index.begin_restore(job.ns, job.tenant, [job.block_hash])
-        except BlockNotPresent:
-            return False
-        try:
-            rec = e.record
-            if rec is None or e.size > self.store.config.max_object_bytes:
-                return False
-            if not self._sealer.retain(rec.epoch):
-                return False
-            try:
-                sealed = bytearray(e.size + TAG_BYTES)
-                n = self._region.read_into(e.extent.offset, memoryview(sealed)[: e.size])
-                sealed[e.size :] = rec.tag
-            except BaseException:
-                self._sealer.forget(rec.epoch)  # retained above: released on every path
-                raise
-            job.size, job.sealed, job.record, job.generation = e.size, sealed, rec, e.generation
-        finally:
-            self._index.complete_restore([e], release=False)
-        if n != e.size:
-            self._sealer.forget(rec.epoch)
-            job.sealed = None
-            return False
-        return True
-
-    def _spill(self, job: Spill) -> None:
-        if job.sealed is None and not self._snapshot(job):
-            self._add(spills_skipped=1)
-            return
-        sealed, rec = job.sealed, job.record
-        assert sealed is not None and rec is not None
-        plaintext = memoryview(sealed)[: job.size]
-        try:
-            ad = BlockAD(job.ns, job.tenant, job.block_hash, job.generation)
-            self._sealer.open_into(rec, ad, memoryview(sealed), plaintext)
-            with self._spill_lock:
-                with self._cv:
-                    stale = not self._publishable(job)
-                if stale:
-                    self._add(spills_skipped=1)  # a drop since it was queued, or running
-                    return
-                self.store.put(job.ns, job.tenant, job.block_hash, plaintext)
-                # Under the spill lock: a drop (which holds it) cannot slip between.
-                self.events.stored(job.ns, job.tenant, [job.block_hash])
-        except KeyDestroyed:
-            self._add(spills_skipped=1)  # its tenant was dropped
-        except AuthenticationFailed:
-            # Left to the host tier's own restore path, which applies the policy.
-            self._add(host_auth_failures=1, spills_skipped=1)
-            log.error("store: block %s failed to open for a spill", job.block_hash.hex()[:16])
-        except StoreIntegrityError as e:  # the tenant's scope marker failed its checks
-            log.critical("store: a scope marker failed its checks while spilling: %s", e)
-            if self._abort_on_integrity:
-                self._on_abort()
-        except (OSError, StoreError, SealingError) as e:
-            self._add(spills_skipped=1)
-            self._note_error("spill", e)
-        finally:
-            plaintext.release()
-            wipe(sealed)
-            self._sealer.forget(rec.epoch)
