@@ -178,8 +178,9 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store-cdh-endpoint",
         default=_env("KVSEAL_STORE_CDH_ENDPOINT", "http://127.0.0.1:8006"),
-        help="the confidential-data-hub's API for --store-key cdh:...; must be on the "
-        "guest's loopback (127.0.0.0/8, ::1, localhost) [KVSEAL_STORE_CDH_ENDPOINT]",
+        help="the confidential-data-hub's API for --store-key cdh:..., http://ADDRESS:PORT; "
+        "a literal loopback address (127.0.0.0/8 or [::1]; no name, not even localhost) "
+        "[KVSEAL_STORE_CDH_ENDPOINT]",
     )
     p.add_argument(
         "--store-cdh-insecure-endpoint",

@@ -11,7 +11,9 @@ sources (:func:`parse_key_source` takes the operator's spelling):
   sealed secret the pod's confidential-data-hub unsealed after attestation.
   The file holds exactly 32 raw bytes, or 64 hex digits, or base64 of 32
   bytes (standard or URL-safe alphabet, 43 characters, or 44 with one ``=``);
-  surrounding whitespace is ignored for the text forms. Refused: not a
+  surrounding whitespace is ignored for the text forms. The decoded 32 bytes
+  must look random (:func:`placeholder_reason`: not text, at least 16
+  distinct byte values, two different halves). Refused: not a
   regular file; any access for *others*; *group write*; an owner other than
   root or the daemon's uid (whoever owns it can swap the key). *Group read*
   is allowed on purpose: a Kubernetes secret volume with ``fsGroup`` is
@@ -22,8 +24,9 @@ sources (:func:`parse_key_source` takes the operator's spelling):
   asks a Trustee KBS to release the resource; the KBS releases it only to a
   VM whose attestation its policy accepts. The body follows the file rules.
   Standard library only (``http.client``), plain HTTP to the pod's loopback
-  (the CDH's own API), no redirects, a timeout per attempt, optional retries
-  while the CDH is not up yet.
+  written as a literal address (the CDH's own API; no name is resolved), no
+  redirects, one deadline per attempt over connect, headers and body,
+  optional retries while the CDH is not up yet.
 
 Key hygiene: a source reads the key into a ``bytearray`` it wipes before it
 returns, decodes hex and base64 by hand into another ``bytearray`` (no
@@ -40,15 +43,18 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import http.client
+import io
 import ipaddress
 import os
 import re
+import socket
 import stat
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvseal.server.keyarena import KEY_BYTES, KeyArena, KeySlot, fill_random
 from kvseal.server.store.errors import KeySourceError
@@ -64,6 +70,10 @@ _HEX = {c: i for i, c in enumerate(b"0123456789abcdef")} | {
 }
 _B64_STD = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 _B64_URL = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+# A key with fewer distinct byte values is a pattern, not 32 random bytes: a
+# random key has about 30 (P(fewer than 16) ~ 3e-17).
+MIN_DISTINCT_KEY_BYTES = 16
+_TEXT_BYTES = frozenset(range(0x20, 0x7F)) | frozenset(b"\t\n\v\f\r")
 
 
 def wipe(buf: bytearray) -> None:
@@ -185,12 +195,55 @@ def _decode_base64(raw: bytearray, start: int, end: int, out: bytearray) -> bool
     return False
 
 
+def placeholder_reason(key: bytearray) -> str | None:
+    """Why the 32 decoded bytes ``key`` are obviously not a random key, or
+    None. The rule (every test is on the decoded bytes, whatever the spelling):
+
+    - all zero;
+    - every byte printable ASCII or whitespace: a password or placeholder
+      (``'changeme' * 4``, ``'0' * 32``) sitting in a raw 32-byte file; a
+      random key is all text with probability (100/256)^32 ~ 1e-13;
+    - fewer than ``MIN_DISTINCT_KEY_BYTES`` (16) distinct byte values: a
+      repeated byte or short pattern (~3e-17 for a random key);
+    - its two 16-byte halves equal: a 16-byte key doubled (2^-128).
+
+    The reason names the rule only, never a byte of the key. The scratch
+    table is wiped; iterating yields the interpreter's shared small ints, so
+    no copy of the key is made."""
+    if not any(key):
+        return "an all-zero key (a placeholder?)"
+    seen = bytearray(256)
+    try:
+        distinct = 0
+        text = True
+        for b in key:
+            if not seen[b]:
+                seen[b] = 1
+                distinct += 1
+            if b not in _TEXT_BYTES:
+                text = False
+    finally:
+        wipe(seen)
+    if text:
+        return "a key of printable text (a password or placeholder?), not 32 random bytes"
+    if distinct < MIN_DISTINCT_KEY_BYTES:
+        return (
+            f"a key of fewer than {MIN_DISTINCT_KEY_BYTES} distinct byte values (a repeated "
+            "pattern?), not 32 random bytes"
+        )
+    half = KEY_BYTES // 2
+    if all(key[i] == key[i + half] for i in range(half)):
+        return "a key whose two halves are equal, not 32 random bytes"
+    return None
+
+
 def decode_key_material(raw: bytearray, what: str) -> bytearray:
     """The 32 key bytes that ``raw`` spells (a new bytearray the caller must
     wipe); ``raw`` is left as it is (its owner wipes it). ``what`` names the
     source in errors. Refuses anything but exactly 32 raw bytes, 64 hex
-    digits or base64 of 32 bytes, and an all-zero key (a placeholder); the
-    error gives lengths only."""
+    digits or base64 of 32 bytes, and, after decoding, a key that is
+    obviously not random (:func:`placeholder_reason`); the error gives
+    lengths and the rule only."""
     out = bytearray(KEY_BYTES)
     ok = False
     try:
@@ -209,9 +262,13 @@ def decode_key_material(raw: bytearray, what: str) -> bytearray:
                 f"exactly {KEY_BYTES} raw bytes, {2 * KEY_BYTES} hex digits, or base64 of "
                 f"{KEY_BYTES} bytes (43 characters, or 44 with '=')"
             )
-        if not any(out):
+        reason = placeholder_reason(out)
+        if reason is not None:
             ok = False
-            raise KeySourceError(f"{what} holds an all-zero key (a placeholder?); refused")
+            raise KeySourceError(
+                f"{what} holds {reason}; refused (make one with "
+                "'head -c 32 /dev/urandom' or 'openssl rand -hex 32')"
+            )
         return out
     finally:
         if not ok:
@@ -304,15 +361,20 @@ class CdhKeySource:
     """A resource of the Confidential Containers confidential-data-hub.
 
     ``endpoint`` is ``http://host:port`` (the CDH's API; tests point it at a
-    local server). ``timeout_s`` bounds each attempt (connect, and the whole
-    response); ``retry_for_s`` keeps retrying retryable failures (connection
-    refused, timeouts, 5xx) for that long, with a short backoff (0: one try).
+    local server). ``timeout_s`` is one deadline per attempt over connect,
+    request, headers and body together (a server that drips its answer
+    cannot stretch an attempt past it); ``retry_for_s`` keeps retrying
+    retryable failures (connection refused, timeouts, 5xx) for that long,
+    with a short backoff (0: one try).
     401/403/404 are never retried: the KBS answered, and the answer is no.
 
-    The endpoint must be on the guest's loopback (``127.0.0.0/8``, ``::1``,
-    ``localhost``): the CDH runs inside the confidential VM and answers over
+    The endpoint must be a literal loopback address (``127.0.0.0/8``,
+    ``[::1]``): the CDH runs inside the confidential VM and answers over
     plain HTTP, so a key fetched from any other host crosses a network the
-    host controls, in the clear. ``allow_remote`` (the operator's explicit
+    host controls, in the clear. No name is accepted, ``localhost`` included:
+    it resolves through ``/etc/hosts``, which the host writes in Kata/CoCo
+    pods, so the host could point it at a server of its own and hand out a
+    key of its choosing. ``allow_remote`` (the operator's explicit
     ``--store-cdh-insecure-endpoint``) lifts that, for tests and for
     deployments that protect the path some other way.
     """
@@ -332,21 +394,36 @@ class CdhKeySource:
                 "cdh: needs <repository>/<type>/<tag>, three segments of letters, digits, "
                 "'.', '_' or '-' (e.g. cdh:default/kvseal/store-key)"
             )
-        url = urllib.parse.urlsplit(endpoint)
-        if url.scheme != "http" or not url.hostname or url.path not in ("", "/") or url.query:
-            raise KeySourceError("the CDH endpoint must be http://host:port (no path)")
-        if not allow_remote and not _is_loopback(url.hostname):
+        try:
+            url = urllib.parse.urlsplit(endpoint)
+            host = url.hostname
+        except ValueError:  # e.g. an unclosed '[' of an IPv6 address
+            host = None
+        if not host or url.scheme != "http" or url.path not in ("", "/") or url.query:
             raise KeySourceError(
-                "the CDH endpoint must be on this guest's loopback (127.0.0.0/8, ::1 or "
-                "localhost): the key would cross the host's network in plaintext; "
-                "--store-cdh-insecure-endpoint allows another host"
+                "the CDH endpoint (--store-cdh-endpoint) must be http://host:port (no path)"
+            )
+        try:
+            port = url.port
+        except ValueError:  # out of 0-65535, or not a number
+            port = 0
+        if port == 0 or (port is None and url.netloc.endswith(":")):
+            raise KeySourceError(
+                "the CDH endpoint's port (--store-cdh-endpoint) must be a number in 1-65535"
+            )
+        if not allow_remote and not _is_loopback(host):
+            raise KeySourceError(
+                "the CDH endpoint (--store-cdh-endpoint) must be a literal loopback address "
+                "of this guest (127.0.0.0/8 or [::1]; no name, not even localhost, which the "
+                "host's /etc/hosts may point elsewhere): the key would cross the host's "
+                "network in plaintext; --store-cdh-insecure-endpoint allows another host"
             )
         if not 0 < timeout_s <= 600 or not 0 <= retry_for_s <= 3600:
             raise KeySourceError("CDH timeout must be in (0, 600] s and retries in [0, 3600] s")
         self.resource = resource
         self.endpoint = endpoint.rstrip("/")
-        self._host = url.hostname
-        self._port = url.port or 80
+        self._host = host
+        self._port = port or 80
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
 
@@ -375,8 +452,9 @@ class CdhKeySource:
     def _fetch_once(self) -> bytearray:
         where = f"the confidential-data-hub at {self.endpoint} (resource {self.resource})"
         deadline = time.monotonic() + self.timeout_s
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
+        conn = _DeadlineConnection(self._host, self._port, deadline)
         raw = bytearray(MAX_KEY_SOURCE_BYTES + 1)
+        resp: http.client.HTTPResponse | None = None
         try:
             conn.request("GET", self.path, headers={"Accept": "application/octet-stream"})
             resp = conn.getresponse()
@@ -393,7 +471,8 @@ class CdhKeySource:
             raise
         except TimeoutError:
             raise KeySourceError(
-                f"{where} did not answer within {self.timeout_s:g} s", retryable=True
+                f"{where} did not answer in full within {self.timeout_s:g} s (deadline exceeded)",
+                retryable=True,
             ) from None
         except ConnectionRefusedError:
             raise KeySourceError(
@@ -406,7 +485,88 @@ class CdhKeySource:
             raise KeySourceError(f"{where}: request failed ({name})", retryable=True) from None
         finally:
             wipe(raw)
+            if resp is not None:
+                resp.close()  # and the reader's socket
             conn.close()
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's receive side under one absolute deadline: each ``recv``
+    waits at most until ``deadline`` (``time.monotonic``), then TimeoutError.
+    ``http.client`` reads the status line, headers and body through a
+    buffered file over this, so the deadline bounds all of them together (a
+    socket timeout alone restarts with every byte a dripping server sends).
+
+    It reads through its own duplicate of the socket, closed with it: the
+    connection closes its socket right after the headers of an answer that
+    ends the connection (HTTP/1.0), and the body is read after that (what
+    ``socket.makefile`` does with its reference count)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock = sock.dup()
+        self._deadline = deadline
+
+    def close(self) -> None:
+        if not self.closed:
+            self._sock.close()
+        super().close()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline exceeded")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(b)
+
+
+class _DeadlineSocket:
+    """What :class:`http.client.HTTPResponse` is given instead of the socket:
+    it only calls ``makefile`` (once, in its constructor)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        assert mode == "rb"
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    def __init__(
+        self,
+        sock: socket.socket,
+        debuglevel: int = 0,
+        method: str | None = None,
+        url: str | None = None,
+        *,
+        deadline: float,
+    ) -> None:
+        fake: Any = _DeadlineSocket(sock, deadline)
+        super().__init__(fake, debuglevel, method, url)
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """An HTTPConnection whose connect, request and whole response share one
+    absolute ``deadline``."""
+
+    def __init__(self, host: str, port: int, deadline: float) -> None:
+        super().__init__(host, port, timeout=max(deadline - time.monotonic(), 1e-3))
+        self._deadline = deadline
+        self.response_class = functools.partial(  # type: ignore[assignment]
+            _DeadlineResponse, deadline=deadline
+        )
+
+    def connect(self) -> None:
+        super().connect()
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline exceeded")
+        self.sock.settimeout(left)  # the request's send
 
 
 def _read_into(
@@ -444,13 +604,13 @@ def _status_error(status: int, where: str) -> KeySourceError:
 
 
 def _is_loopback(host: str) -> bool:
-    """Whether ``host`` (a URL's hostname) names this machine's loopback."""
-    if host.lower() == "localhost":
-        return True
+    """Whether ``host`` (a URL's hostname) is a literal loopback address. A
+    name never is, ``localhost`` included: names resolve through
+    ``/etc/hosts`` and DNS, both of which the host may write or answer."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False  # any other name resolves through DNS the host may answer
+        return False
 
 
 def parse_key_source(
