@@ -1,13 +1,17 @@
 """The SO_PEERCRED relay moves bytes faithfully: in order, both ways, under
 backpressure (a reader slower than its writer), across many connections at
 once, and ends a connection as a whole (a side that closes after writing has
-all its bytes delivered first). Real sockets, a real upstream server."""
+all its bytes delivered first). Its upstream abstract names are random and
+tell nothing (they are listed in /proc/net/unix for every local user), and a
+name bound first by another process never drops a connection. Real sockets,
+a real upstream server."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -15,7 +19,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from kvseal.server.peercred import PeerCredGate
+from kvseal.server import peercred
+from kvseal.server.peercred import PeerCredGate, relayed_uid
+
+from .conftest import until
 
 Serve = Callable[[socket.socket], None]
 
@@ -63,9 +70,9 @@ def upstream(tmp_path: Path) -> Iterator[Callable[[Serve], str]]:
 def gate_to(tmp_path: Path) -> Iterator[Callable[..., PeerCredGate]]:
     gates: list[PeerCredGate] = []
 
-    def make(internal: str, allowed: set[int] | None = None) -> PeerCredGate:
+    def make(internal: str, allowed: set[int] | None = None, tag: str = "") -> PeerCredGate:
         g = PeerCredGate(
-            str(tmp_path / f"public{len(gates)}.sock"), internal, allowed or {os.getuid()}
+            str(tmp_path / f"public{len(gates)}.sock"), internal, allowed or {os.getuid()}, tag=tag
         )
         g.start()
         gates.append(g)
@@ -188,3 +195,119 @@ def test_an_unlisted_uid_is_refused_and_logged_once_per_interval(
     refusals = [r.getMessage() for r in caplog.records if "refused connection" in r.getMessage()]
     assert len(refusals) == 1 and f"uid {os.getuid()}: uid not in the allow list" in refusals[0]
     assert not reached.is_set()
+
+
+# ---------------------------------------------------------------- upstream names
+
+NAME = re.compile(r"kvseal-peer-[0-9a-f]{32}")
+
+
+def _listed_names() -> set[str]:
+    """The relay's abstract names as any local user sees them."""
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return {r[7][1:] for r in rows if len(r) == 8 and r[7].startswith("@kvseal-peer-")}
+
+
+def _echoing_upstream(
+    upstream: Callable[[Serve], str],
+) -> tuple[str, list[str]]:
+    """An echo server that records each relayed connection's abstract name."""
+    names: list[str] = []
+
+    def serve(conn: socket.socket) -> None:
+        addr = conn.getpeername()
+        names.append(addr[1:].decode() if isinstance(addr, bytes) else addr)
+        _echo(conn)
+
+    return upstream(serve), names
+
+
+def _round_trip(s: socket.socket, msg: bytes) -> bytes:
+    s.sendall(msg)
+    got = b""
+    while len(got) < len(msg) and (chunk := s.recv(65536)):
+        got += chunk
+    return got
+
+
+def test_upstream_names_are_random_and_tell_no_uid_or_sequence(
+    upstream: Callable[[Serve], str], gate_to: Callable[..., PeerCredGate]
+) -> None:
+    """Each relayed connection's name is 128 random bits and nothing else: no
+    uid, gate tag or sequence number in /proc/net/unix. relayed_uid still tells
+    the admitted uid from the name, for this gate's tag only, while the
+    connection lives."""
+    path, names = _echoing_upstream(upstream)
+    gate = gate_to(path, tag="tag0feed")
+    conns = [_connect(gate.public_path) for _ in range(3)]
+    for i, s in enumerate(conns):
+        assert _round_trip(s, b"ping %d" % i) == b"ping %d" % i
+    assert len(names) == 3 and len(set(names)) == 3
+    listed = _listed_names()
+    for name in names:
+        assert NAME.fullmatch(name), name
+        assert name in listed
+        assert "uid" not in name and "tag0feed" not in name
+        assert relayed_uid(f"unix-abstract:{name}", "tag0feed") == os.getuid()
+        assert relayed_uid(f"unix-abstract:{name}", "another-gate") is None
+    for s in conns:
+        s.close()
+    # Closed: the names are forgotten (a later holder of one would tell nothing).
+    until(
+        lambda: all(relayed_uid(f"unix-abstract:{n}", "tag0feed") is None for n in names),
+        "the relay forgets closed connections' names",
+    )
+    assert not set(names) & _listed_names()
+
+
+def test_names_bound_first_by_another_process_drop_no_connection(
+    upstream: Callable[[Serve], str], gate_to: Callable[..., PeerCredGate]
+) -> None:
+    """A local process binds the names the relay used to pick next
+    (``kvseal-peer-<tag>-uid<uid>-<n>``, read off /proc/net/unix): every
+    connection is still relayed, under a name of its own."""
+    tag = "guessme0"
+    squatters = []
+    for n in range(1, 33):
+        sq = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sq.bind(f"\0kvseal-peer-{tag}-uid{os.getuid()}-{n}")
+        squatters.append(sq)
+    try:
+        path, names = _echoing_upstream(upstream)
+        gate = gate_to(path, tag=tag)
+        for i in range(8):
+            with _connect(gate.public_path) as s:
+                assert _round_trip(s, b"survives %d" % i) == b"survives %d" % i
+        assert len(names) == 8 and all(NAME.fullmatch(n) for n in names)
+    finally:
+        for sq in squatters:
+            sq.close()
+
+
+def test_a_taken_name_is_retried_with_a_new_one(
+    upstream: Callable[[Serve], str],
+    gate_to: Callable[..., PeerCredGate],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Force the draw to hit names another socket holds (a collision no one can
+    arrange by guessing): the relay draws again and the connection lives."""
+    taken = ["0" * 32, "1" * 32]
+    squatters = []
+    for t in taken:
+        sq = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sq.bind(f"\0kvseal-peer-{t}")
+        squatters.append(sq)
+    draws = iter(taken)
+    real = peercred.fresh_upstream_name
+    monkeypatch.setattr(peercred, "fresh_upstream_name", lambda: next(draws, None) or real())
+    try:
+        path, names = _echoing_upstream(upstream)
+        gate = gate_to(path, tag="retry")
+        with _connect(gate.public_path) as s:
+            assert _round_trip(s, b"still here") == b"still here"
+            assert len(names) == 1 and NAME.fullmatch(names[0]) and names[0][12:] not in taken
+            assert relayed_uid(f"unix-abstract:{names[0]}", "retry") == os.getuid()
+    finally:
+        for sq in squatters:
+            sq.close()

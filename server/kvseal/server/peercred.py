@@ -27,12 +27,17 @@ Two ways, chosen by ``kvseal.server.main.socket_access`` from the allow list:
   through the relay vs gRPC's own socket).
 
   The relay binds its side of each connection to gRPC to an abstract address
-  that carries the peer's uid (``kvseal-peer-<tag>-uid<uid>-<n>``), which gRPC
-  reports as the call's peer: :func:`relayed_uid` reads it back, so that a
-  handler can tell which admitted uid calls (the operator's Stats view). Only
-  processes that can enter the 0700 directory of gRPC's socket (the daemon's
-  uid, root) could connect there with a forged address, and they can read the
-  daemon's state anyway.
+  named by 128 fresh random bits and nothing else (``kvseal-peer-<32 hex>``),
+  which gRPC reports as the call's peer: :func:`relayed_uid` looks the name
+  up in the relay's table of live connections (name -> gate tag, admitted
+  uid), so that a handler can tell which admitted uid calls (the operator's
+  Stats view). The names are listed in ``/proc/net/unix`` for every local
+  user, so they carry no uid, tag or sequence number, and cannot be guessed:
+  no other process can bind the next name first. A name that is taken all
+  the same is retried with a new one; the connection is never dropped for
+  it. Only processes that can enter the 0700 directory of gRPC's socket (the
+  daemon's uid, root) could connect there with an address of their own, and
+  they can read the daemon's state anyway.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import select
 import socket
 import struct
@@ -57,6 +63,11 @@ log = logging.getLogger("kvseal.peercred")
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _CHUNK = 256 * 1024  # bytes read per wake-up; also the most one direction buffers
 _CONNECT_RETRY_S = 1.0  # how long an admitted peer waits while gRPC's backlog is full
+_NAME_TRIES = 8  # random upstream names tried before relaying without one
+# Live relayed connections: upstream name (after _ABSTRACT) -> (gate tag, uid).
+# Written by the relay threads, read by gRPC handler threads; single dict
+# operations (get, set, pop) are atomic under the GIL, which is all they do.
+_RELAYED: dict[str, tuple[str, int]] = {}
 _IN, _OUT = select.EPOLLIN, select.EPOLLOUT
 
 
@@ -100,13 +111,18 @@ def listen_owner_only(server: grpc.Server, path: str) -> None:
 
 def relayed_uid(peer: str, tag: str) -> int | None:
     """The uid the relay admitted for a call whose ``context.peer()`` is ``peer``
-    (a :class:`PeerCredGate` with this ``tag``); None for any other peer (a
-    direct connection to gRPC's socket, another daemon's relay, TCP)."""
-    head = f"{_PEER_PREFIX}{tag}-uid"
-    if not tag or not peer.startswith(head):
+    (a connection a :class:`PeerCredGate` with this ``tag`` relays now); None
+    for any other peer (a direct connection to gRPC's socket, another gate's
+    connection, one already closed, TCP)."""
+    if not tag or not peer.startswith(_PEER_PREFIX):
         return None
-    uid, sep, _ = peer[len(head) :].partition("-")
-    return int(uid) if sep and uid.isdigit() else None
+    entry = _RELAYED.get(peer[len(_PEER_PREFIX) :])
+    return entry[1] if entry is not None and entry[0] == tag else None
+
+
+def fresh_upstream_name() -> str:
+    """A new upstream name (after ``kvseal-peer-``): 128 random bits in hex."""
+    return secrets.token_hex(16)
 
 
 class _End:
@@ -116,10 +132,11 @@ class _End:
     wait for one side the other is not read, so each direction holds at most one
     read (``_CHUNK``)."""
 
-    __slots__ = ("eof", "fd", "mask", "peer", "pending", "shut", "sock")
+    __slots__ = ("eof", "fd", "mask", "name", "peer", "pending", "shut", "sock")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, name: str = "") -> None:
         self.sock = sock
+        self.name = name  # the upstream side's entry in _RELAYED ("" for none)
         self.fd = sock.fileno()
         self.peer: _End = self
         self.pending = b""
@@ -157,9 +174,9 @@ class PeerCredGate:
         tag: str = "",
     ) -> None:
         self.public_path = public_path
-        # Names this gate's upstream addresses (relayed_uid); empty: unbound.
+        # Tells this gate's connections in _RELAYED (relayed_uid) from other
+        # gates'; empty: upstream sockets stay unbound (no uid is told).
         self.tag = tag
-        self._seq = 0
         self.internal_path = internal_path
         self.allowed = frozenset(allowed_uids)
         self.mode = mode
@@ -342,14 +359,11 @@ class PeerCredGate:
         up = socket.socket(
             socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
         )
+        name = self._bind_upstream(up, uid) if self.tag else ""
         try:
-            if self.tag:
-                # The peer's uid, for the handlers (relayed_uid); the sequence
-                # number keeps each address unique while its connection lives.
-                self._seq += 1
-                up.bind(f"\0{_ABSTRACT}{self.tag}-uid{uid}-{self._seq}")
             up.connect(self.internal_path)
         except OSError as e:
+            _RELAYED.pop(name, None)
             up.close()
             # A Unix socket connects at once or not at all: EAGAIN means gRPC's
             # backlog is full (it is not accepting fast enough): try again soon.
@@ -364,12 +378,31 @@ class PeerCredGate:
                 log.error("cannot reach the gRPC socket: %s", e)
             conn.close()
             return
-        down_end, up_end = _End(conn), _End(up)
+        down_end, up_end = _End(conn), _End(up, name)
         down_end.peer, up_end.peer = up_end, down_end
         assert self._epoll is not None
         for end in (down_end, up_end):
             self._ends[end.fd] = end
             self._epoll.register(end.fd, _IN)
+
+    def _bind_upstream(self, up: socket.socket, uid: int) -> str:
+        """Bind ``up`` to a fresh random abstract name and enter it in _RELAYED
+        for ``uid`` (what :func:`relayed_uid` reads); the name, or "" when no
+        name could be bound (the connection is relayed all the same, its calls
+        then tell no uid: least privilege, never a dropped connection)."""
+        for _ in range(_NAME_TRIES):
+            name = fresh_upstream_name()
+            try:
+                up.bind(f"\0{_ABSTRACT}{name}")  # a failed bind leaves it unbound
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:  # taken (never by guessing): another
+                    continue
+                log.error("cannot bind a relay address: %s", e)
+                return ""
+            _RELAYED[name] = (self.tag, uid)
+            return name
+        log.error("no free relay address in %d tries; relaying without the uid", _NAME_TRIES)
+        return ""
 
     def _retry_waiting(self) -> None:
         waiting, self._waiting = self._waiting, []
@@ -445,6 +478,8 @@ class PeerCredGate:
             if self._ends.pop(e.fd, None) is not None:
                 self._set_interest(e, 0)
                 e.sock.close()
+            if e.name:
+                _RELAYED.pop(e.name, None)
 
     def _update(self, end: _End) -> None:
         """Register the interest ``end``'s state calls for: read it until its EOF
