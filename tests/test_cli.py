@@ -5,6 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
+
+from google.protobuf.descriptor import FieldDescriptor
+from kvseal.client import tenant_digest
+from kvseal.client.shm import KVShape, SharedKVPool
+from kvseal.v1 import kvseal_pb2 as pb
 
 from .conftest import DaemonProc
 
@@ -26,6 +32,55 @@ def test_health_and_stats(daemon: DaemonProc) -> None:
     doc = json.loads(r.stdout)
     assert doc["backend"] == "BACKEND_CPU" and doc["integrity_policy"] == "abort"
     assert int(doc["host_bytes_capacity"]) == 256 * 1024 * 1024
+
+
+INTEGERS = {
+    FieldDescriptor.CPPTYPE_INT32,
+    FieldDescriptor.CPPTYPE_INT64,
+    FieldDescriptor.CPPTYPE_UINT32,
+    FieldDescriptor.CPPTYPE_UINT64,
+}
+
+
+def test_stats_json_integers_are_numbers(daemon: DaemonProc) -> None:
+    """Every integer of ``stats --json`` is a JSON number, the 64-bit counters
+    too (protobuf's JSON mapping writes those as strings), so a script can
+    subtract two snapshots."""
+    before = json.loads(_kvseal("--socket", daemon.socket, "stats", "--json").stdout)
+    with SharedKVPool(KVShape(4, 4, 2, 2, 16), "vllm_per_layer") as pool, daemon.client() as c:
+        h = c.register_pool("stats-json", b"model:stats-json", pool.geometry())
+        c.offload(h.pool_id, tenant_digest(None), [bytes([i]) * 32 for i in (1, 2)], [0, 1])
+        r = _kvseal("--socket", daemon.socket, "stats", "--json")
+    assert r.returncode == 0, r.stderr
+    after = json.loads(r.stdout)
+    integers = [f.name for f in pb.StatsReply.DESCRIPTOR.fields if f.cpp_type in INTEGERS]
+    assert "offloaded_bytes" in integers and "pools" in integers
+    for doc in (before, after):
+        assert set(integers) <= set(doc)
+        for name in integers:
+            assert type(doc[name]) is int, (name, doc[name])
+    assert after["offloaded_blocks"] - before["offloaded_blocks"] == 2
+    assert after["pools"] - before["pools"] == 1
+    assert after["offloaded_bytes"] - before["offloaded_bytes"] == 2 * pool.shape.block_bytes
+    assert after["scope"] == "STATS_SCOPE_DAEMON"  # enums stay names
+
+
+def test_stats_without_operator_rights_says_why_the_counts_are_zero(
+    daemon_factory: Callable[..., DaemonProc],
+) -> None:
+    """The quick start's ``kvseal stats`` against a daemon without
+    --operator-uid: the configuration and zeros, and a note on stderr saying
+    how to see the counts; an operator gets no note."""
+    plain = daemon_factory(env={"KVSEAL_OPERATOR_UIDS": ""})
+    r = _kvseal("--socket", plain.socket, "stats")
+    assert r.returncode == 0, r.stderr
+    assert "STATS_SCOPE_FACTS" in r.stdout
+    assert "--operator-uid" in r.stderr and "--pool" in r.stderr
+    r = _kvseal("--socket", plain.socket, "stats", "--json")  # stdout stays pure JSON
+    assert json.loads(r.stdout)["scope"] == "STATS_SCOPE_FACTS"
+    op = daemon_factory()  # the suite's operator uid
+    r = _kvseal("--socket", op.socket, "stats")
+    assert "STATS_SCOPE_DAEMON" in r.stdout and r.stderr == ""
 
 
 def test_selftest_real_geometry(daemon: DaemonProc) -> None:

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from kvseal.client.client import KVSealClient
 from kvseal.client.config import ClientConfig, default_target, socket_target
@@ -27,6 +28,28 @@ from kvseal.client.shm import LAYOUTS, KVShape, SharedKVPool
 from kvseal.v1 import kvseal_pb2 as pb
 
 EXIT_OK, EXIT_FAIL, EXIT_UNREACHABLE = 0, 1, 2
+_INTEGER_TYPES = frozenset(
+    (
+        FieldDescriptor.CPPTYPE_INT32,
+        FieldDescriptor.CPPTYPE_INT64,
+        FieldDescriptor.CPPTYPE_UINT32,
+        FieldDescriptor.CPPTYPE_UINT64,
+    )
+)
+
+
+def stats_document(s: pb.StatsReply) -> dict[str, object]:
+    """``s`` as a JSON-ready dict: every field (zeros too), proto field names,
+    enums by name, and every integer a number. (Protobuf's JSON mapping writes
+    64-bit integers as strings, so a script subtracting two snapshots would
+    have got strings for the counters and numbers for ``pools``.)"""
+    doc = MessageToDict(
+        s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    for f in s.DESCRIPTOR.fields:
+        if f.cpp_type in _INTEGER_TYPES and f.name in doc:
+            doc[f.name] = int(getattr(s, f.name))
+    return doc
 
 
 def _client(args: argparse.Namespace) -> KVSealClient:
@@ -52,9 +75,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         except KVSealRpcError as e:
             print(f"UNREACHABLE: {e}", file=sys.stderr)
             return EXIT_UNREACHABLE
-    doc = MessageToDict(
-        s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    doc = stats_document(s)
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
@@ -65,6 +86,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
         width = max(len(k) for k in names)
         for k in names:
             print(f"{k:<{width}}  {doc[k]}")
+        if s.scope == pb.STATS_SCOPE_FACTS:
+            # The quick start's first surprise: all zeros with an engine attached.
+            print(
+                "kvseal: the counts are 0 in this scope: the daemon shows its own counts "
+                "only to an --operator-uid (start it with --operator-uid "
+                f"{os.geteuid()} to see them here), a pool's with --pool",
+                file=sys.stderr,
+            )
     return EXIT_OK
 
 
@@ -231,9 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "stats",
         help="print the daemon's counters and configuration, one field a line in "
-        "StatsReply's field order (--json: keys sorted). Scoped to the caller: the "
-        "whole daemon for an --operator-uid of the daemon, one pool's with --pool, "
-        "else the configuration only (the 'scope' field says which)",
+        "StatsReply's field order (--json: keys sorted, every integer a JSON number). "
+        "Scoped to the caller: the whole daemon for an --operator-uid of the daemon, "
+        "one pool's with --pool, else the configuration only, every count 0 (the "
+        "'scope' field says which)",
     )
     s.add_argument("--json", action="store_true")
     s.add_argument(
