@@ -68,6 +68,8 @@ OPTIONS = {
     "ready_wait_s": "how long start-up waits for the pool's registration (default 10)",
     "discovery": "look up blocks the mirror has no word of, in the background (default true)",
     "instance": "a name for this engine in pool names and logs (default sglang)",
+    "deployment_label": "this deployment's name in the store's replica records "
+    "(default: the model path's last component)",
 }
 REQ_TENANTS = 1 << 16  # requests whose tenant is remembered between match and load
 
@@ -209,7 +211,8 @@ class KVSealLinker(UnifiedCacheLinker):
         self._loadq: queue.Queue[Any] = queue.Queue()
         self._offload_results: queue.Queue[bool] = queue.Queue()
         self.stats = {"lookups": 0, "hit_pages": 0, "loads": 0, "load_failures": 0,
-                      "offloads": 0, "offload_failures": 0, "skipped_pages": 0}  # fmt: skip
+                      "offloads": 0, "offload_failures": 0, "skipped_pages": 0,
+                      "staging_waits_expired": 0}  # fmt: skip
         self._threads = [
             threading.Thread(
                 target=self._offload_run, name=f"kvseal-offload-{tp_rank}", daemon=True
@@ -337,18 +340,30 @@ class KVSealLinker(UnifiedCacheLinker):
         recomputes all of them (its slots are private to it)."""
         ps = self.page_size
         pos = 0
+        # One deadline for the whole load, staging waits included: an offload
+        # may hold every block for a whole offload RPC, and a verified load
+        # waits on SGLang's scheduler thread (async: on the load thread, bounded
+        # like an RPC so a batch is not held forever either).
+        verified = self.load_mode == "verified"
+        budget = self._load_timeout if verified else self.client.config.transfer_timeout_s
+        deadline = time.monotonic() + budget
         while pos < len(hashes):
-            slots = self.slots.take(len(hashes) - pos)
+            slots = self.slots.take(len(hashes) - pos, max(0.0, deadline - time.monotonic()))
             if not slots:
+                self.stats["staging_waits_expired"] += 1
                 return False
             n = len(slots)
             try:
+                left = deadline - time.monotonic()
+                if left <= 0:  # spent waiting for staging: nothing was asked of the daemon
+                    self.stats["staging_waits_expired"] += 1
+                    return False
                 ok = self.kv.restore(
                     tenant,
                     hashes[pos : pos + n],
                     slots,
                     event=self.kv.engine_event(),
-                    timeout=self._load_timeout if self.load_mode == "verified" else None,
+                    timeout=left,
                 )
                 if not ok:
                     self.mirror.forget(tenant, hashes[pos:])

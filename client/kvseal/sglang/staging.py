@@ -19,6 +19,7 @@ chunks by its caller.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,12 @@ def new_staging(blocks: int, block_bytes: int, device: Any) -> Any:
     import torch  # noqa: PLC0415
 
     if torch.device(device).type == "cpu":
+        # shm_kv serves only allocations of at least MIN_KV_BYTES from shared
+        # memory: a smaller staging (one small block) is over-allocated.
+        n = blocks * block_bytes
         with shm_kv.shm_kv_allocation(SHM_PREFIX):
-            flat = torch.zeros(blocks * block_bytes, dtype=torch.int8)
-        return flat.view(torch.uint8).view(blocks, block_bytes)
+            flat = torch.zeros(max(n, shm_kv.MIN_KV_BYTES), dtype=torch.int8)
+        return flat[:n].view(torch.uint8).view(blocks, block_bytes)
     return torch.zeros((blocks, block_bytes), dtype=torch.uint8, device=device)
 
 
@@ -63,19 +67,29 @@ def _int8() -> Any:
 
 
 class Slots:
-    """A free list of staging block indices. ``take(n)`` blocks until at least
-    one block is free and returns up to ``n`` of them (never an empty list
-    unless ``closed``); ``give`` returns them. Thread-safe."""
+    """A free list of staging block indices. ``take(n, timeout)`` waits until
+    at least one block is free and returns up to ``n`` of them; it returns an
+    empty list when ``closed`` or when ``timeout`` seconds passed first (None:
+    no bound, for the offload thread; a verified load on SGLang's scheduler
+    thread passes what is left of its deadline, since an offload may hold the
+    blocks for a whole offload RPC). ``give`` returns them. Thread-safe."""
 
     def __init__(self, blocks: int) -> None:
         self._free = list(range(blocks - 1, -1, -1))
         self._cv = threading.Condition()
         self.closed = False
 
-    def take(self, n: int) -> list[int]:
+    def take(self, n: int, timeout: float | None = None) -> list[int]:
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while not self._free and not self.closed:
-                self._cv.wait()
+                if deadline is None:
+                    self._cv.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._cv.wait(left)
             if self.closed:
                 return []
             k = min(n, len(self._free))
