@@ -94,6 +94,12 @@ int launch(const KvsBatch& p, K k, int concurrent) {
     std::atomic<kvs_u32> next{0};
     std::atomic<int> secrets_left{0};
     const kvs_u32 grid = p.num_blocks * p.ctas_per_block;
+#if defined(KVS_NO_ATOMICS)
+    // kernels.cu's KVS_NO_ATOMICS build (KVSEAL_KERNELS_SAFE=atomics): a block's
+    // slices run one after another, their workspace accesses are plain; the
+    // threads of each CTA stay concurrent.
+    concurrent = 1;
+#endif
     std::vector<std::thread> workers;
     for (int c = 0; c < concurrent; ++c)
         workers.emplace_back([&] {

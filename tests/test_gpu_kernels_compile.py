@@ -35,12 +35,52 @@ def test_nvrtc_compiles_cubin_for_sm90_and_caches(tmp_path: Path) -> None:
     assert len(list(tmp_path.iterdir())) == 1
 
 
-def test_nvrtc_ptx_has_all_entry_points(tmp_path: Path) -> None:
+ATOMIC = re.compile(rb"\batom\.")
+VECTOR_IO = re.compile(rb"\b(?:ld|st)\.global[.\w]*\.v4\b")
+LINE_INFO = re.compile(rb"^\s*\.loc\s", re.M)
+
+
+def test_nvrtc_ptx_has_all_entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _nvrtc_or_skip()
+    monkeypatch.delenv(kc.SAFE_ENV, raising=False)
     ptx = kc.compile_kernels("sm_90", output="ptx", cache_dir=tmp_path).image
     entries = set(re.findall(rb"\.entry\s+(\w+)", ptx))
     assert entries == {n.encode() for n in kc.KERNEL_NAMES}
     assert b".target sm_90" in ptx
+    # The normal build: device atomics, 16-byte loads and stores, and line info.
+    assert ATOMIC.search(ptx) and VECTOR_IO.search(ptx)
+    assert LINE_INFO.search(ptx), "no -lineinfo"
+
+
+def test_safe_switch_builds_without_vector_io_or_atomics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVSEAL_KERNELS_SAFE=1: the PTX has no atomic and no 16-byte global access,
+    keeps every entry point and the line info, is cached apart from the normal
+    build, and ptxas turns it into a CUBIN."""
+    _nvrtc_or_skip()
+    monkeypatch.setenv(kc.SAFE_ENV, "1")
+    ptx = kc.compile_kernels("sm_90", output="ptx", cache_dir=tmp_path).image
+    assert not ATOMIC.search(ptx) and not VECTOR_IO.search(ptx)
+    assert set(re.findall(rb"\.entry\s+(\w+)", ptx)) == {n.encode() for n in kc.KERNEL_NAMES}
+    assert LINE_INFO.search(ptx)
+    monkeypatch.setenv(kc.SAFE_ENV, "vector")
+    vec = kc.compile_kernels("sm_90", output="ptx", cache_dir=tmp_path).image
+    assert ATOMIC.search(vec) and not VECTOR_IO.search(vec)
+    monkeypatch.setenv(kc.SAFE_ENV, "all")
+    cubin = kc.compile_kernels("sm_90", cache_dir=tmp_path)
+    assert cubin.image.startswith(b"\x7fELF") and not cubin.cached
+    assert len(list(tmp_path.iterdir())) == 3
+
+
+def test_safe_switch_values() -> None:
+    both = ("-DKVS_NO_VECTOR_IO=1", "-DKVS_NO_ATOMICS=1")
+    assert kc.safe_options("") == kc.safe_options("0") == kc.safe_options(" , ") == ()
+    assert kc.safe_options("1") == kc.safe_options("ALL") == kc.safe_options("atomics,vector")
+    assert kc.safe_options("1") == both
+    assert kc.safe_options("vector") == both[:1] and kc.safe_options("atomics") == both[1:]
+    with pytest.raises(kc.NvrtcError, match="KVSEAL_KERNELS_SAFE='fast': unknown fast"):
+        kc.safe_options("fast")
 
 
 def test_nvrtc_reports_compile_errors(tmp_path: Path) -> None:

@@ -8,7 +8,10 @@ AESGCM and the NIST CAVP GCM vectors shipped in cryptography-vectors.
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import subprocess
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -273,6 +276,40 @@ def test_cta_order_does_not_matter(emu: E.Emulator) -> None:
     for seed in (1, 2, 3):
         _, again, tags2 = seal_and_check(emu, sc, cfg, seed=seed)
         assert again == first and tags2 == tags
+
+
+@pytest.fixture(scope="module")
+def emu_no_atomics(tmp_path_factory: pytest.TempPathFactory) -> E.Emulator:
+    """The emulator built as KVSEAL_KERNELS_SAFE=atomics builds the kernels
+    (``-DKVS_NO_ATOMICS``: plain workspace accesses); ``-DKVS_NO_VECTOR_IO`` changes
+    no host code (host builds never take the 16-byte path)."""
+    gxx = shutil.which(os.environ.get("CXX") or "g++")
+    if gxx is None:
+        pytest.skip("no C++ compiler")
+    lib = tmp_path_factory.mktemp("emu") / "emulate-no-atomics.so"
+    cmd = [gxx, *E.CXXFLAGS, "-DKVS_NO_ATOMICS=1", "-DKVS_NO_VECTOR_IO=1", "-o", str(lib)]
+    r = subprocess.run([*cmd, str(E.CUDA_DIR / "emulate.cpp")], capture_output=True, text=True,
+                       timeout=300, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    return E.Emulator(lib)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: f"t{c.threads}-s{c.slice_blocks}")
+def test_no_atomics_build_matches_aesgcm_in_any_cta_order(
+    emu_no_atomics: E.Emulator, cfg: E.LaunchConfig
+) -> None:
+    """Several CTAs per block, in shuffled order: the diagnostic build's sealed bytes
+    and tags are AESGCM's, and verify and open agree."""
+    rng = random.Random(77 + cfg.threads)
+    sc = make_scenario(rng, [rng.randint(300, 900) for _ in range(9)], num_blocks=7)
+    assert cfg.ctas_per_block(sc.block_bytes) > 1
+    ctx, staging, tags = seal_and_check(emu_no_atomics, sc, cfg, seed=3)
+    ok = emu_no_atomics.verify(ctx, sc.pool, **sc.args(staging), tags=tags, config=cfg,
+                               order_seed=5)  # fmt: skip
+    assert ok == [True] * len(sc.pages)
+    dest = open_into_poison(emu_no_atomics, sc, ctx, staging, ok=ok, cfg=cfg)
+    assert [bytearray(b) for b in dest.buffers] == expected_dest(sc, set(range(len(sc.pages))))
+    ctx.wipe()
 
 
 # --------------------------------------------------------------------------------------

@@ -87,6 +87,16 @@ def test_phase_code_has_no_data_race(tsan_exe: Path, shape: tuple[int, ...]) -> 
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
 
 
+def test_no_atomics_build_matches_serial_gcm(tmp_path: Path) -> None:
+    """The KVSEAL_KERNELS_SAFE=atomics build (``-DKVS_NO_ATOMICS``, plain workspace
+    accesses, a block's slices in turn) gives the same bytes as a serial GCM."""
+    exe = _build(tmp_path, "-DKVS_NO_ATOMICS=1")
+    assert exe is not None
+    for shape in SHAPES[:2]:
+        r = _run(exe, shape)
+        assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
+
+
 def _build_variant(tmp: Path, name: str, edits: list[tuple[str, str]]) -> Path:
     """The harness with some lines replaced (each must be present), compiled."""
     text = SOURCE.read_text()

@@ -71,6 +71,7 @@ from ..test_cuda_backend_cpu import (  # noqa: E402
     check_raised,
     known_key,
 )
+from .bytes_check import assert_same_bytes  # noqa: E402
 
 _ok, _why = probe.cuda_available(0)
 if not _ok:
@@ -190,13 +191,13 @@ def test_gpu_seal_equals_aesgcm_and_round_trips(backend: CudaBackend, make: obje
             want = AESGCM(known_key(rec.epoch)).encrypt(rec.nonce, plain[b.page], b.ad.encode())
             ct = bytearray(b.size)
             region.read_into(b.extent.offset, memoryview(ct))
-            assert bytes(ct) == want[:-16], f"ciphertext of page {b.page} differs from AESGCM"
-            assert rec.tag == want[-16:]
+            assert_same_bytes(ct, want[:-16], f"ciphertext of page {b.page} vs AESGCM")
+            assert_same_bytes(rec.tag, want[-16:], f"tag of page {b.page} vs AESGCM")
         for p in pages:
             pool.poison(p)
         assert backend.open_blocks(mapped, blocks, records, region) == []
         for p in pages:
-            assert pool.read(p) == plain[p]
+            assert_same_bytes(pool.read(p), plain[p], f"page {p} opened")
     finally:
         mapped.close()
         region.close()
@@ -221,7 +222,7 @@ def test_gpu_opens_what_the_cpu_format_sealed(backend: CudaBackend, sealer: Devi
             want[b.page] = data
         assert backend.open_blocks(mapped, blocks, records, region) == []
         for b in blocks:
-            assert pool.read(b.page) == want[b.page]
+            assert_same_bytes(pool.read(b.page), want[b.page], f"page {b.page} opened")
     finally:
         mapped.close()
         region.close()
@@ -243,7 +244,7 @@ def test_gpu_tamper_writes_nothing(backend: CudaBackend) -> None:
         region.write(off, memoryview(bytes([one[0] ^ 0x10])))
         assert backend.open_blocks(mapped, blocks, records, region) == [2]
         for p in range(4):
-            assert pool.read(p) == poisoned
+            assert_same_bytes(pool.read(p), poisoned, f"page {p} after a failed open")
     finally:
         mapped.close()
         region.close()
@@ -274,7 +275,8 @@ def test_gpu_deadline_at_every_boundary_touches_no_page_after(
         for p in plain:
             pool.poison(p)
         assert backend.open_blocks(mapped, blocks, records, region, deadline=counting) == []
-        assert all(pool.read(p) == plain[p] for p in plain)
+        for p, data in plain.items():
+            assert_same_bytes(pool.read(p), data, f"page {p} opened")
         for at in range(1, counting.calls + 1):
             for p in plain:
                 pool.poison(p)
@@ -287,7 +289,8 @@ def test_gpu_deadline_at_every_boundary_touches_no_page_after(
             torch.cuda.synchronize()
             backend._dev.sync(backend._dev.compute_stream)  # anything left would land now
             backend._dev.sync(backend._dev.copy_stream)
-            assert all(pool.read(p) == b"\x3c" * pool.block_bytes for p in plain)
+            for p in plain:
+                assert_same_bytes(pool.read(p), b"\x3c" * pool.block_bytes, f"page {p}, at {at}")
     finally:
         backend.min_chunk_bytes = min_chunk_bytes  # as the other tests expect it
         mapped.close()
@@ -310,7 +313,7 @@ def test_gpu_mapped_seal_mode_gives_the_same_bytes() -> None:
             )
             ct = bytearray(blk.size)
             region.read_into(blk.extent.offset, memoryview(ct))
-            assert bytes(ct) + rec.tag == want
+            assert_same_bytes(bytes(ct) + rec.tag, want, f"mapped seal of page {blk.page}")
         mapped.close()
         region.close()
     finally:
@@ -443,7 +446,7 @@ def test_daemon_round_trip_over_cuda_ipc(daemon: tuple[DaemonProc, Path]) -> Non
     torch.cuda.synchronize()
     _restore(d, pool_id, hashes, [4, 5, 6, 7])
     for i in range(4):
-        assert eng.bytes_of(4 + i) == want[i]
+        assert_same_bytes(eng.bytes_of(4 + i), want[i], f"page {4 + i} restored")
 
 
 def _head(path: Path, n: int = 8 << 20) -> bytes:
@@ -479,7 +482,7 @@ def test_daemon_host_tamper_is_data_loss(daemon: tuple[DaemonProc, Path]) -> Non
     with pytest.raises(KVSealRpcError) as ei:
         _restore(d, pool_id, [h], [1])
     assert ei.value.code.name == "DATA_LOSS"
-    assert eng.bytes_of(1) == poisoned
+    assert_same_bytes(eng.bytes_of(1), poisoned, "page 1 after DATA_LOSS")
 
 
 def test_daemon_waits_for_the_engine_stream(daemon: tuple[DaemonProc, Path]) -> None:
@@ -506,7 +509,8 @@ def test_daemon_waits_for_the_engine_stream(daemon: tuple[DaemonProc, Path]) -> 
             ev.record(eng.stream)
         _restore(d, pool_id, [h], [1], handle)
         eng.stream.synchronize()
-        assert eng.bytes_of(1) == bytes([value]) * (LAYERS * 2 * TOKENS * HEADS * DIM * 2), i
+        page = bytes([value]) * (LAYERS * 2 * TOKENS * HEADS * DIM * 2)
+        assert_same_bytes(eng.bytes_of(1), page, f"page 1 restored, round {i}")
 
 
 def test_operator_selftest_against_cuda_daemon(daemon: tuple[DaemonProc, Path]) -> None:

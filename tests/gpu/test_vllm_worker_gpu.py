@@ -52,6 +52,7 @@ from kvseal.vllm.kv_pool import KVPool, layer_page_views, pool_geometry  # noqa:
 from kvseal.vllm.mirror import DaemonMirror, observer_geometry  # noqa: E402
 
 from ..conftest import DaemonProc, start_daemon  # noqa: E402
+from .bytes_check import assert_same_bytes  # noqa: E402
 
 _ok, _why = probe.cuda_available(0)
 if not _ok:
@@ -205,7 +206,7 @@ def test_daemon_vllm_worker_store_and_restore_over_cuda(daemon: DaemonProc) -> N
             assert pool.restore(TENANT, hashes, dst, event=ev2)
             kv.stream.synchronize()
             for i, p in enumerate(dst):
-                assert kv.block(p) == want[i], (rnd, i)
+                assert_same_bytes(kv.block(p), want[i], f"round {rnd}, block {i} restored")
             # The stored bytes were the engine's new ones, not the old page contents.
             assert want[0] != bytes(LAYERS * PAGE)
     finally:

@@ -7,6 +7,14 @@ are missing, so importing this module never fails. Compilation needs no GPU.
 The cache key is (hash of kernels.cu and its headers, target, output kind, options, NVRTC
 version); images are written to a temporary file and renamed into place, so concurrent
 processes never see a partial file.
+
+Every image carries line information (``-lineinfo``: compute-sanitizer and cuda-gdb
+name source lines; the generated code is the same). ``KVSEAL_KERNELS_SAFE`` (read at
+each compile, so by the daemon at start) builds a diagnostic variant, for bisecting a
+kernel that gives wrong bytes on a GPU: ``vector`` turns off the 16-byte load/store
+fast path (byte accesses only, ``KVS_NO_VECTOR_IO``), ``atomics`` the device atomics
+(one CTA per block runs its slices in turn, ``KVS_NO_ATOMICS``), ``1`` or ``all``
+both; unset, empty or ``0``: the normal build. The bytes produced are the same.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ __all__ = [
     "NvrtcError",
     "NvrtcUnavailable",
     "compile_kernels",
+    "safe_options",
     "kernel_sources",
     "nvrtc_version",
 ]
@@ -36,7 +45,10 @@ HEADERS = ("kernels.cuh", "aesgcm.cuh")
 DEFAULT_ARCH = "sm_90"
 # extern "C" entry points of kernels.cu (launch shapes documented there).
 KERNEL_NAMES = ("kvseal_key_setup", "kvseal_seal", "kvseal_verify", "kvseal_open")
-BASE_OPTIONS = ("-std=c++17",)
+BASE_OPTIONS = ("-std=c++17", "-lineinfo")
+SAFE_ENV = "KVSEAL_KERNELS_SAFE"
+# KVSEAL_KERNELS_SAFE's words -> the macros kernels.cuh / kernels.cu test.
+SAFE_DEFINES = {"vector": "-DKVS_NO_VECTOR_IO=1", "atomics": "-DKVS_NO_ATOMICS=1"}
 
 Output = Literal["cubin", "ptx"]
 
@@ -123,6 +135,26 @@ def _out_buffer(size: int) -> bytearray:
     return bytearray(max(1, size))
 
 
+def safe_options(value: str | None = None) -> tuple[str, ...]:
+    """The NVRTC defines that ``value`` (default: ``$KVSEAL_KERNELS_SAFE``) asks for:
+    none for unset, empty or ``0``; both for ``1`` or ``all``; else a comma-separated
+    list of ``vector`` and ``atomics``. Raises :class:`NvrtcError` for anything else
+    (the daemon then refuses to start, naming the variable)."""
+    raw = os.environ.get(SAFE_ENV, "") if value is None else value
+    words = {w.strip().lower() for w in raw.split(",")} - {""}
+    if not words or words == {"0"}:
+        return ()
+    if words & {"1", "all"}:
+        words = (words - {"1", "all"}) | set(SAFE_DEFINES)
+    bad = words - set(SAFE_DEFINES)
+    if bad:
+        raise NvrtcError(
+            f"{SAFE_ENV}={raw!r}: unknown {', '.join(sorted(bad))}; use 1, all, or a "
+            f"comma-separated list of {', '.join(SAFE_DEFINES)}"
+        )
+    return tuple(SAFE_DEFINES[w] for w in SAFE_DEFINES if w in words)
+
+
 def compile_kernels(
     arch: str = DEFAULT_ARCH,
     *,
@@ -134,7 +166,8 @@ def compile_kernels(
     """Compile kernels.cu for ``arch`` (``sm_90``, ``sm_100``, ...) to CUBIN or PTX.
 
     CUBIN targets exactly ``arch``; PTX targets the matching virtual architecture
-    (``compute_90``), which the driver JIT-compiles for newer GPUs. Raises
+    (``compute_90``), which the driver JIT-compiles for newer GPUs. The options are
+    :data:`BASE_OPTIONS`, the target, :func:`safe_options` and ``options``. Raises
     :class:`NvrtcUnavailable` without cuda-python/NVRTC and :class:`NvrtcError` (with
     the compile log) when compilation fails. Cache failures are ignored (the image
     is then simply recompiled next time).
@@ -144,7 +177,7 @@ def compile_kernels(
     if output not in ("cubin", "ptx"):
         raise ValueError("output must be 'cubin' or 'ptx'")
     target = arch if output == "cubin" else "compute_" + arch[3:]
-    opts = (*BASE_OPTIONS, f"--gpu-architecture={target}", *options)
+    opts = (*BASE_OPTIONS, f"--gpu-architecture={target}", *safe_options(), *options)
     version = nvrtc_version()
     source, headers = kernel_sources()
     key = hashlib.sha256()

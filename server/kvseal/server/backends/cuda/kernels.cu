@@ -27,10 +27,17 @@ __device__ __forceinline__ bool kvs_launch_ok(const KvsBatch& p) {
     return blockIdx.x < p.num_blocks * p.ctas_per_block;
 }
 
-// Shared by seal and verify: everything after the hot loop.
-__device__ __forceinline__ void kvs_reduce_and_finish(const KvsBatch& p, KvsShared& sh,
-                                                      const KvsThreadState& st, bool verify) {
+// Seal or verify slice g (a CTA index of the grid): every phase, barrier between.
+__device__ __forceinline__ void kvs_seal_or_verify_slice(const KvsBatch& p, KvsShared& sh,
+                                                         kvs_u32 g, bool verify) {
     const kvs_u32 tid = threadIdx.x, nthr = blockDim.x;
+    KvsThreadState st;
+    kvs_phase_setup(p, sh, g, tid, nthr, true);
+    __syncthreads();
+    if (verify)
+        kvs_phase_verify_main(p, sh, st, g, tid, nthr);
+    else
+        kvs_phase_seal_main(p, sh, st, g, tid, nthr);
     __syncthreads();  // hot loop done: T0 area may be reused, key tables wiped
     kvs_phase_reduce_store(sh, st, tid, nthr);
     __syncthreads();
@@ -38,27 +45,36 @@ __device__ __forceinline__ void kvs_reduce_and_finish(const KvsBatch& p, KvsShar
         kvs_phase_reduce_level(p, sh, tid, w);
         __syncthreads();
     }
-    kvs_phase_finish(p, sh, st, blockIdx.x, tid, verify);
+    kvs_phase_finish(p, sh, st, g, tid, verify);
+}
+
+// Shared by seal and verify. Normally CTA g does slice g and the block's CTAs
+// meet in its workspace through atomics. Built with KVS_NO_ATOMICS
+// (KVSEAL_KERNELS_SAFE=atomics), the first CTA of each block does all of its
+// slices in turn and the others return: nothing is shared between CTAs (slower;
+// for telling a reduction bug from an arithmetic one).
+__device__ __forceinline__ void kvs_seal_or_verify(const KvsBatch& p, KvsShared& sh, bool verify) {
+#if defined(KVS_NO_ATOMICS)
+    if (blockIdx.x % p.ctas_per_block != 0) return;  // CTA-uniform
+    for (kvs_u32 s = 0; s < p.ctas_per_block; ++s) {
+        kvs_seal_or_verify_slice(p, sh, blockIdx.x + s, verify);
+        __syncthreads();  // thread 0's finish is done with shared memory
+    }
+#else
+    kvs_seal_or_verify_slice(p, sh, blockIdx.x, verify);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(KVS_MAX_THREADS) kvseal_seal(KvsBatch p) {
     __shared__ KvsShared sh;
     if (!kvs_launch_ok(p)) return;  // CTA-uniform
-    KvsThreadState st;
-    kvs_phase_setup(p, sh, blockIdx.x, threadIdx.x, blockDim.x, true);
-    __syncthreads();
-    kvs_phase_seal_main(p, sh, st, blockIdx.x, threadIdx.x, blockDim.x);
-    kvs_reduce_and_finish(p, sh, st, false);
+    kvs_seal_or_verify(p, sh, false);
 }
 
 extern "C" __global__ void __launch_bounds__(KVS_MAX_THREADS) kvseal_verify(KvsBatch p) {
     __shared__ KvsShared sh;
     if (!kvs_launch_ok(p)) return;
-    KvsThreadState st;
-    kvs_phase_setup(p, sh, blockIdx.x, threadIdx.x, blockDim.x, true);
-    __syncthreads();
-    kvs_phase_verify_main(p, sh, st, blockIdx.x, threadIdx.x, blockDim.x);
-    kvs_reduce_and_finish(p, sh, st, true);
+    kvs_seal_or_verify(p, sh, true);
 }
 
 extern "C" __global__ void __launch_bounds__(KVS_MAX_THREADS) kvseal_open(KvsBatch p) {

@@ -164,7 +164,30 @@ KVS_HD KvsCta kvs_cta(const KvsBatch& p, kvs_u32 g) {
 // Device-portable helpers: atomics, fences, 16-byte memory access
 // ---------------------------------------------------------------------------
 
-#if defined(__CUDA_ARCH__)
+// KVS_NO_ATOMICS (KVSEAL_KERNELS_SAFE=atomics, a diagnostic build): one CTA runs
+// every slice of a block in turn (kernels.cu), so a block's workspace is touched by
+// one thread only, in program order: plain reads and writes, no fence. The
+// sequential emulator runs such a build as is (its CTAs never overlap); the
+// threaded harness (tests/kernels_threaded.cpp) refuses it.
+#if defined(KVS_NO_ATOMICS)
+KVS_HD void kvs_atomic_xor64(kvs_u64* p, kvs_u64 v) { *p ^= v; }
+KVS_HD kvs_u32 kvs_atomic_add32(kvs_u32* p, kvs_u32 v) {
+    kvs_u32 old = *p;
+    *p = old + v;
+    return old;
+}
+KVS_HD kvs_u64 kvs_atomic_exch64(kvs_u64* p, kvs_u64 v) {
+    kvs_u64 old = *p;
+    *p = v;
+    return old;
+}
+KVS_HD kvs_u32 kvs_atomic_exch32(kvs_u32* p, kvs_u32 v) {
+    kvs_u32 old = *p;
+    *p = v;
+    return old;
+}
+KVS_HD void kvs_threadfence() {}
+#elif defined(__CUDA_ARCH__)
 KVS_HD void kvs_atomic_xor64(kvs_u64* p, kvs_u64 v) { atomicXor(p, v); }
 KVS_HD kvs_u32 kvs_atomic_add32(kvs_u32* p, kvs_u32 v) { return atomicAdd(p, v); }
 KVS_HD kvs_u64 kvs_atomic_exch64(kvs_u64* p, kvs_u64 v) { return atomicExch(p, v); }
@@ -201,9 +224,15 @@ KVS_HD void kvs_put_byte(KvsBlock128& b, kvs_u32 i, kvs_u64 byte) {
 
 // Load n (<= 16) contiguous bytes, zero-filling the rest. On the GPU a full,
 // 16-byte-aligned block is one 128-bit load (the common case: segment sizes and
-// page strides of real KV pools are multiples of 16).
+// page strides of real KV pools are multiples of 16), unless KVS_NO_VECTOR_IO
+// (KVSEAL_KERNELS_SAFE=vector, a diagnostic build) asks for byte accesses only,
+// the path the host builds always take.
+#if defined(__CUDA_ARCH__) && !defined(KVS_NO_VECTOR_IO)
+#define KVS_VECTOR_IO 1
+#endif
+
 KVS_HD KvsBlock128 kvs_load_bytes(const kvs_u8* src, kvs_u32 n) {
-#if defined(__CUDA_ARCH__)
+#if defined(KVS_VECTOR_IO)
     if (n == 16 && ((kvs_u64)src & 15u) == 0) {
         uint4 v = *reinterpret_cast<const uint4*>(src);
         return kvs_block(((kvs_u64)kvs_bswap32(v.x) << 32) | kvs_bswap32(v.y),
@@ -216,7 +245,7 @@ KVS_HD KvsBlock128 kvs_load_bytes(const kvs_u8* src, kvs_u32 n) {
 }
 
 KVS_HD void kvs_store_bytes(kvs_u8* dst, KvsBlock128 b, kvs_u32 n) {
-#if defined(__CUDA_ARCH__)
+#if defined(KVS_VECTOR_IO)
     if (n == 16 && ((kvs_u64)dst & 15u) == 0) {
         uint4 v;
         v.x = kvs_bswap32((kvs_u32)(b.hi >> 32));
