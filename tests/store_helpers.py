@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvseal.client import chain_block_hashes
+from kvseal.server.store.scopes import FLOOR_BYTES, MARKER_BYTES
 
 from .conftest import until
 
@@ -50,6 +51,16 @@ def objects(store: Path) -> list[Path]:
         p for shard in store.iterdir() if shard.is_dir() for p in shard.iterdir()
         if OBJECT.fullmatch(p.name)
     )  # fmt: skip
+
+
+def scope_records(store: Path) -> tuple[list[Path], list[Path]]:
+    """The store's scope markers and floor records (``.scope`` files, told
+    apart by their size)."""
+    files = sorted(store.glob("*/*.scope"))
+    markers = [p for p in files if p.stat().st_size == MARKER_BYTES]
+    floors = [p for p in files if p.stat().st_size == FLOOR_BYTES]
+    assert len(markers) + len(floors) == len(files), files
+    return markers, floors
 
 
 def wait_objects(store: Path, n: int) -> list[Path]:

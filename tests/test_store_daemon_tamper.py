@@ -28,7 +28,16 @@ from kvseal.client.shm import SharedKVPool
 from kvseal.server.config import EXIT_INTEGRITY
 
 from .conftest import DaemonProc, fill_random, is_poisoned, poison
-from .store_helpers import FP, chain, key_file, objects, store_and_stop, store_flags, wait_objects
+from .store_helpers import (
+    FP,
+    chain,
+    key_file,
+    objects,
+    scope_records,
+    store_and_stop,
+    store_flags,
+    wait_objects,
+)
 
 Factory = Callable[..., DaemonProc]
 RESOURCE = "default/kvseal/store-key"
@@ -118,7 +127,7 @@ def test_tampered_scope_marker_fails_under_the_integrity_policy(
         c.offload(h.pool_id, tenant, hashes, [0, 1])
     wait_objects(store, 2)
     assert a.stop() == 0
-    (marker,) = store.glob("*/*.scope")
+    (marker,), _ = scope_records(store)
     _flip([marker])
     b = daemon_factory(*flags, "--on-integrity-failure", policy)
     poison(pool, [0, 1, 2, 3])
@@ -132,6 +141,45 @@ def test_tampered_scope_marker_fails_under_the_integrity_policy(
             assert c.health() == "SERVING"
     if policy == "abort":
         assert b.wait_exit() == EXIT_INTEGRITY
+    assert all(is_poisoned(pool, p) for p in range(4))
+
+
+@pytest.mark.parametrize("policy", ["drop", "abort"])
+def test_tampered_scope_marker_met_by_a_lookup_runs_the_policy(
+    tmp_path: Path,
+    daemon_factory: Factory,
+    pool_factory: Callable[..., SharedKVPool],
+    policy: str,
+) -> None:
+    """The engine's normal order: a Lookup first. It reads the tenant's scope
+    marker, which fails: under ``abort`` the Lookup answers DATA_LOSS and the
+    daemon exits 3 (it used to answer a miss and never stop); under ``drop``
+    it answers the miss, counts the failure and keeps serving."""
+    store, key = tmp_path / "store", key_file(tmp_path / "key")
+    flags = store_flags(store, f"file:{key}")
+    pool = pool_factory(num_pages=4)
+    fill_random(pool)
+    tenant = tenant_digest("user-a")
+    hashes = chain(2, pool.shape.tokens_per_page, b"user-a")
+    store_and_stop(daemon_factory, flags, pool.geometry(), tenant, hashes, store)
+    (marker,), _ = scope_records(store)
+    _flip([marker])
+    b = daemon_factory(*flags, "--on-integrity-failure", policy)
+    poison(pool, [0, 1, 2, 3])
+    with b.client() as c:
+        h = c.register_pool("engine", FP, pool.geometry())
+        if policy == "abort":
+            with pytest.raises(KVSealRpcError) as e:
+                c.lookup(h.pool_id, tenant, hashes)
+            assert e.value.code == grpc.StatusCode.DATA_LOSS
+        else:
+            assert c.lookup(h.pool_id, tenant, hashes).hit_blocks == 0
+            assert c.stats().integrity_failures == 1
+            assert c.health() == "SERVING"
+    assert not marker.exists(), "the failed marker was removed"
+    if policy == "abort":
+        assert b.wait_exit() == EXIT_INTEGRITY
+        assert "INTEGRITY FAILURE" in b.log()
     assert all(is_poisoned(pool, p) for p in range(4))
 
 

@@ -120,8 +120,8 @@ def test_the_directory_holds_ciphertext_under_names_that_reveal_nothing(
         s.put(NS, T1, h(name), data)
         s.put(NS, T2, h(name), data)
     files = files_of(tmp_path / "store")
-    assert len(files) == 16 + 2  # objects + one marker per tenant
-    assert len({p.name for p in files}) == 18
+    assert len(files) == 16 + 4  # objects + one marker and one floor per tenant
+    assert len({p.name for p in files}) == 20
     revealing = [x.hex() for x in (NS, T1, T2, *(h(n) for n in blocks))]
     for p in files:
         assert stat.S_IMODE(p.stat().st_mode) == 0o600
@@ -366,18 +366,27 @@ def test_a_drop_shows_on_a_replica_within_its_ttl(make_store: MakeStore) -> None
 def test_rollback_of_a_dropped_tenants_marker(make_store: MakeStore) -> None:
     s = make_store()
     s.put(NS, T1, h("x"), kv("x"))
-    marker = Path(s.scope_path(NS, T1))
+    marker, floor = Path(s.scope_path(NS, T1)), Path(s.floor_path(NS, T1))
     before_drop = marker.read_bytes()
     s.delete_tenant(NS, T1)
     marker.write_bytes(before_drop)  # the host restores the pre-drop marker
-    # A replica that starts now cannot tell (docs/store.md, "Erasure"): it serves
-    # the tenant's pre-drop block, to that tenant, with the right bytes.
+    # The floor the drop wrote refuses it, for a replica that starts now too.
+    assert make_store().get(NS, T1, h("x")) is None
+    assert s.get(NS, T1, h("x")) is None
+    assert marker.read_bytes() != before_drop
+    # The documented limit (docs/store.md, "Tenants, drops and erasure"): with
+    # the floor deleted as well, a replica that knows nothing newer cannot
+    # tell; it serves the tenant's pre-drop block, to that tenant, with the
+    # right bytes. The dropping process never does: it rotates again, and
+    # that new epoch reaches the late replica too.
+    marker.write_bytes(before_drop)
+    floor.unlink()
     late = make_store()
     assert late.get(NS, T1, h("x")) == kv("x")
-    # A process that saw the drop never adopts the old epoch: it rotates again.
     assert s.get(NS, T1, h("x")) is None
+    # The first restore was answered by the replica that met it first (s then
+    # adopted its newer epoch, which lists s's); the second by s.
     assert s.stats().scope_rollbacks == 1
-    assert marker.read_bytes() not in (before_drop,)
     assert late.get(NS, T1, h("x")) is None, "the new rotation reaches the late replica too"
 
 
@@ -388,7 +397,7 @@ def test_eviction_keeps_the_bound_and_removes_the_least_recently_used(
     make_store: MakeStore, tmp_path: Path
 ) -> None:
     rec = record_bytes(BLOCK)  # 4176 bytes: two 4 KiB blocks on disk
-    s = make_store(capacity_bytes=12 * 8192 + 4096, max_object_bytes=BLOCK, fanout=1)
+    s = make_store(capacity_bytes=13 * 8192, max_object_bytes=BLOCK, fanout=1)
     for i in range(10):
         s.put(NS, T1, h(f"b{i}"), kv(f"b{i}"))
     # Distinct ages (the filesystem clock is coarse): b0 oldest ... b9 newest.
@@ -399,11 +408,12 @@ def test_eviction_keeps_the_bound_and_removes_the_least_recently_used(
         s.put(NS, T1, h(f"b{i}"), kv(f"b{i}"))
     usage = s.usage()
     assert usage.total_bytes <= s.config.capacity_bytes
-    # Room for the marker (one 4 KiB block) and 12 objects: 14 puts, 2 evictions.
+    # Room for the marker and the floor (a 4 KiB block each) and 12 objects:
+    # 14 puts, 2 evictions.
     assert s.stats().evictions == 2
     present = {i for i in range(14) if s.contains(NS, T1, h(f"b{i}"))}
     assert present == {0, *range(3, 14)}, "b1 and b2 (the oldest) went, b0 (hit) stayed"
-    assert usage.markers == 1 and rec <= 8192
+    assert usage.markers == 2 and rec <= 8192  # the marker and the floor
 
 
 def test_markers_go_only_after_every_object_of_their_shard(make_store: MakeStore) -> None:

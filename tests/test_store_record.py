@@ -28,6 +28,7 @@ from kvseal.server.store.keysource import DeploymentKey
 from kvseal.server.store.record import (
     HEADER_BYTES,
     KIND_BLOCK,
+    KIND_FLOOR,
     KIND_SCOPE,
     MAGIC,
     OVERHEAD_BYTES,
@@ -208,8 +209,9 @@ def test_trailing_bytes_and_oversize(keys: StoreKeys, slot: KeySlot) -> None:
         (0, b"\0" * 8, BadMagic),
         (8, struct.pack(">H", 2), UnsupportedVersion),
         (8, struct.pack(">H", 0), UnsupportedVersion),
-        (10, struct.pack(">H", 3), WrongKind),
+        (10, struct.pack(">H", 9), WrongKind),
         (10, struct.pack(">H", KIND_SCOPE), WrongKind),
+        (10, struct.pack(">H", KIND_FLOOR), WrongKind),
         (12, b"\xff" * 8, ForeignKey),
     ],
 )

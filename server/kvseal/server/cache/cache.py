@@ -42,6 +42,7 @@ from kvseal.server.events import EventBus, Subscription
 from kvseal.server.index import Entry, Index, Removal, State
 from kvseal.server.pools import MappedPool, NoMemory, Pool, PoolRegistry, PoolSpec
 from kvseal.server.sealing import HASH_BYTES, TENANT_BYTES, BlockAD, BlockSealer, KeyDestroyed
+from kvseal.server.store.errors import StoreIntegrityError
 from kvseal.server.store.fsstore import FsStore
 
 log = logging.getLogger("kvseal.cache")
@@ -299,7 +300,10 @@ class SealedCache(TenantBook):
             self._note_tenant(pool, tenant)
             hit, states = self.index.lookup(pool.namespace, tenant, hashes)
             if self.store is not None and hit < len(hashes):  # blocks only the store holds
-                hit = self.store.extend_lookup(pool.namespace, tenant, hashes, hit, states)
+                try:
+                    hit = self.store.extend_lookup(pool.namespace, tenant, hashes, hit, states)
+                except StoreIntegrityError:  # the tenant's scope marker (or floor): removed
+                    self._store_marker_failure(pool)
         self._count(pool, lookups=1, lookup_blocks=len(hashes), lookup_hit_blocks=hit)
         if telemetry.enabled():
             telemetry.annotate(
@@ -489,9 +493,11 @@ class SealedCache(TenantBook):
         return RestoreResult(len(entries), nbytes)
 
     def _integrity_failure(
-        self, pool: Pool, failed: list[bytes], *, abort: bool, where: str = "host memory"
-    ) -> None:
-        self._count(pool, integrity_failures=len(failed))
+        self, pool: Pool, failed: list[bytes], *, abort: bool, where: str = "host memory",
+        msg: str | None = None,
+    ) -> None:  # fmt: skip
+        n = len(failed) or 1  # a scope marker (msg) counts as one
+        self._count(pool, integrity_failures=n)
         telemetry.event(
             "kvseal.integrity_failure",
             pool=pool.pool_id,
@@ -499,9 +505,9 @@ class SealedCache(TenantBook):
             policy="abort" if abort else "drop",
         )
         if self.observer.on_integrity_failure:
-            self.observer.on_integrity_failure(pool.pool_id, len(failed))
+            self.observer.on_integrity_failure(pool.pool_id, n)
         which = ", ".join(h.hex()[:16] for h in failed[:8])
-        msg = (
+        msg = msg or (
             f"{len(failed)} block(s) failed authentication ({where} was altered, swapped, "
             f"replayed or truncated): {which}; nothing was written to the pool"
         )
@@ -517,6 +523,20 @@ class SealedCache(TenantBook):
             "INTEGRITY FAILURE in pool %s: %s; policy drop: blocks evicted", pool.pool_id, msg
         )
         raise IntegrityFailure(msg + "; the blocks were evicted (policy drop)")
+
+    def _store_marker_failure(self, pool: Pool) -> None:
+        """A Lookup read the tenant's scope marker (or floor) and it failed its
+        checks: an integrity failure like any other. ``abort`` stops the
+        daemon (IntegrityFailure); ``drop`` counts it and the Lookup answers
+        what the host tier holds (the store's blocks of the tenant are gone)."""
+        abort = self.config.integrity_policy is IntegrityPolicy.ABORT
+        msg = "the tenant's scope marker in the store failed its checks (altered or replaced)"
+        if abort:
+            self._integrity_failure(pool, [], abort=True, where="the store", msg=msg)
+        self._count(pool, integrity_failures=1)
+        if self.observer.on_integrity_failure:
+            self.observer.on_integrity_failure(pool.pool_id, 1)
+        log.error("INTEGRITY FAILURE in pool %s: %s; policy drop: removed", pool.pool_id, msg)
 
     @request
     def drop(

@@ -170,7 +170,11 @@ class StoreTier(SpillWorker):
         (the vLLM mirror's discovery asks about several requests' blocks in
         one Lookup). The returned prefix is the leading run of READY states
         (host or store) and is never shorter than ``hit``. A filesystem error
-        ends the checks there: the later blocks keep the host tier's states."""
+        ends the checks there: the later blocks keep the host tier's states.
+        The tenant's scope marker and floor are read (once per
+        ``scope_ttl_s``): one that fails its checks raises
+        :class:`StoreIntegrityError` (removed, the tenant's announced store
+        blocks retracted), for the cache to apply the integrity policy."""
         found: list[bytes] = []
         mark = self.events.mark(ns, tenant)  # before the checks: a drop since cancels
         try:
@@ -180,6 +184,10 @@ class StoreTier(SpillWorker):
                     found.append(hashes[i])
         except OSError as e:
             self._note_error("lookup", e)
+        except StoreIntegrityError as e:
+            log.error("store: the tenant's scope marker failed its checks in a lookup: %s", e)
+            self.events.retract_tenant(ns, tenant, "INTEGRITY")
+            raise
         if found:
             self._add(lookup_hits=len(found))
             self.events.stored(ns, tenant, found, mark=mark)
@@ -313,6 +321,9 @@ class StoreTier(SpillWorker):
                 try:
                     self.store.delete(ns, tenant, h)
                 except (OSError, StoreError) as e:
+                    if isinstance(e, StoreIntegrityError) and self._abort_on_integrity:
+                        log.critical("store: a scope marker failed its checks in a drop: %s", e)
+                        self._on_abort()  # read here too: the policy applies
                     failed = (
                         failed
                         or f"a block's store object could not be deleted ({type(e).__name__})"

@@ -4,9 +4,10 @@ Every message is safe to log: it names paths, lengths, modes, HTTP statuses and
 object names (keyed digests), never a byte of key material or plaintext, and
 never echoes text a key could have been pasted into (see ``keysource``).
 
-Not yet :class:`~kvseal.server.errors.KVSealError` subclasses: the store is a
-library the daemon does not use yet; wiring it in maps these onto gRPC statuses
-and the integrity policy (docs/store.md, "What is not wired in").
+Not :class:`~kvseal.server.errors.KVSealError` subclasses: the store is a
+library; the daemon's store tier (``kvseal.server.cache.storetier``) maps
+them onto gRPC statuses and the ``--on-integrity-failure`` policy
+(docs/store.md, "In the daemon").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Layout::
     <root>/<xx>/               ``fanout`` shard directories (a power of two up
                                to 256), ``xx`` = the name's first byte mod fanout
     <root>/<xx>/<64 hex>       a block object
-    <root>/<xx>/<64 hex>.scope a tenant's scope marker (:mod:`.scopes`)
+    <root>/<xx>/<64 hex>.scope a tenant's scope marker or floor (:mod:`.scopes`)
     <root>/<xx>/.tmp-<16 hex>  a record being written
 
 Rules each function keeps (and why):
@@ -41,8 +41,8 @@ Rules each function keeps (and why):
   fsync and the rename do that); and it forgoes readahead on the sequential
   multi-MiB reads a restore does. The page cache of a confidential VM is
   private guest memory and only ever holds ciphertext, so caching costs
-  memory, not confidentiality. (The store benchmark row planned in the issue
-  will measure this choice against a plain file copy.)
+  memory, not confidentiality. (``make bench``'s store rows measure this
+  choice against a plain file copy: docs/store.md, "Benchmark".)
 - **No symlinks below the root.** Shards are opened relative to the root's
   descriptor with ``O_NOFOLLOW``, records with ``O_NOFOLLOW | O_NONBLOCK``, and
   only regular files are read: the host cannot redirect a write outside the

@@ -2,9 +2,9 @@
 
 :class:`FsStore` keeps sealed KV blocks in a directory that belongs to the
 host (a local disk, or a ReadWriteMany volume every replica mounts) under a
-*deployment key* the replicas share (:mod:`.keysource`). It is a library
-with its own tests; the daemon does not use it yet (docs/store.md lists what
-wiring it in takes).
+*deployment key* the replicas share (:mod:`.keysource`). The daemon's store
+tier (``kvseal.server.cache.storetier``, ``--store-dir``) is built on it;
+it also has its own tests (docs/store.md).
 
 Contract:
 
@@ -34,13 +34,17 @@ Contract:
   belongs is an integrity failure (``fsio``).
 - ``delete(ns, tenant, block_hash)``: removes one block's object in the
   tenant's current epoch.
-- ``contains(...)``: whether an object sits at the block's name (nothing
-  read or verified: a later ``get`` may still fail or miss).
+- ``contains(...)``: whether an object sits at the block's name (the
+  object is not read or verified: a later ``get`` may still fail or miss).
+  The tenant's scope marker and floor are read (at most once per
+  ``scope_ttl_s``) and one failing its checks raises, as in ``get``.
 - ``delete_tenant(ns, tenant)``: the tenant's store epoch is replaced
   (:meth:`.scopes.ScopeTable.rotate`): none of its earlier objects is served
-  again by this process, nor by any replica once it has re-read the marker
-  (within ``scope_ttl_s``). Their bytes stay until eviction reaches them.
-  What this does and does not erase: docs/store.md, "Erasure".
+  again by this process, whatever the host restores, nor by any replica
+  that has seen a later epoch or reads the floor the drop wrote (within
+  ``scope_ttl_s``). Their bytes stay until eviction reaches them. What this
+  does and does not erase: :mod:`.scopes` and docs/store.md, "Tenants,
+  drops and erasure".
 
 Replay. The associated data binds namespace, tenant, epoch and block hash,
 so an object moved to any other block, tenant, namespace or epoch fails
@@ -345,10 +349,12 @@ class FsStore:
 
     def contains(self, namespace: bytes, tenant: bytes, block_hash: bytes) -> bool:
         """Whether an object sits at the block's name in the tenant's current
-        epoch (no bytes read or verified)."""
+        epoch (the object is neither read nor verified). Raises
+        :class:`StoreIntegrityError` when the tenant's scope marker or floor,
+        which this reads, fails its checks (it was removed), as :meth:`get`."""
         try:
             scope = self._scope(namespace, tenant, create=False)
-        except (ScopeChanged, StoreIntegrityError):
+        except ScopeChanged:
             return False
         if scope is None:
             return False
@@ -426,6 +432,10 @@ class FsStore:
     def scope_path(self, namespace: bytes, tenant: bytes) -> str:
         """Where the tenant's scope marker lives."""
         return self._dir.path_of(self._scopes.marker_name(namespace, tenant))
+
+    def floor_path(self, namespace: bytes, tenant: bytes) -> str:
+        """Where the tenant's scope floor record lives."""
+        return self._dir.path_of(self._scopes.floor_name(namespace, tenant))
 
     # ------------------------------------------------------------ internals
 

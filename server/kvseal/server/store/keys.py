@@ -12,7 +12,8 @@ for each use, so no two uses ever share a key:
                           the same block under two keys or two epochs are
                           unrelated
 ``kvseal/store/v1/scope`` the *marker key*: seals each tenant's scope marker
-                          (its epoch id and random seed, :mod:`.scopes`)
+                          (its epoch id, random seed and lineage) and floor
+                          record (:mod:`.scopes`)
 ``kvseal/store/v1/key-id`` an 8-byte public *key id* written into every record,
                           so a record of another key is named as such
 ``kvseal/store/v1/block`` a *scope key* per (namespace, tenant, epoch):
@@ -56,7 +57,10 @@ NAME_HEX_CHARS = 64
 ID_BYTES = 32  # namespace, tenant and block hash, as in the host tier's format
 _LABEL = b"kvseal/store/v1/"
 _OBJECT_DOMAIN = b"object\x00"
-_SCOPE_DOMAIN = b"scope\x00"
+# Markers moved to a new name with the scope lineage (format of 2026-12):
+# an earlier build's markers (40-byte payload) are never read, nor are ours by it.
+_SCOPE_DOMAIN = b"scope/2\x00"
+_FLOOR_DOMAIN = b"floor\x00"
 
 
 def _hkdf(info: bytes, length: int = KEY_BYTES) -> HKDF:
@@ -130,6 +134,11 @@ class StoreKeys:
         """The name of a (namespace, tenant) scope's marker (64 hex digits)."""
         _check_ids(namespace=namespace, tenant=tenant)
         return self._name(_SCOPE_DOMAIN, namespace, tenant)
+
+    def floor_name(self, namespace: bytes, tenant: bytes) -> str:
+        """The name of a (namespace, tenant) scope's floor record (64 hex digits)."""
+        _check_ids(namespace=namespace, tenant=tenant)
+        return self._name(_FLOOR_DOMAIN, namespace, tenant)
 
     # ------------------------------------------------------------ keys
 

@@ -10,7 +10,8 @@ Layout (big endian, 64-byte header, then ciphertext, then the tag)::
 
     0  magic       8  b"KVSEALST"
     8  version     2  1
-   10  kind        2  1 = a block object, 2 = a tenant's scope marker
+   10  kind        2  1 = a block object, 2 = a tenant's scope marker,
+                      3 = a tenant's scope floor (:mod:`.scopes`)
    12  key id      8  the deployment key's public id (keys.StoreKeys.key_id)
    20  generation  8  the writer's clock at seal time (ns), strictly increasing
                       per writing process
@@ -26,7 +27,8 @@ stored: the reader supplies them (they are what it looked up, and what the
 keyed object name was computed from), so an object moved to another block,
 tenant, namespace or epoch, or a header with any byte changed, fails
 authentication; the record key itself also depends on the scope and epoch.
-A scope marker binds 8 zero bytes of epoch and 32 of block hash, and its kind.
+A scope marker or floor binds 8 zero bytes of epoch and 32 of block hash, and
+its kind (so neither passes for the other).
 
 What is *not* in the record, on purpose: the tenant, namespace, block hash
 and epoch id (a store holder could link objects by them). What it shows:
@@ -68,7 +70,8 @@ MAGIC = b"KVSEALST"
 RECORD_VERSION = 1
 KIND_BLOCK = 1
 KIND_SCOPE = 2
-_KINDS = {KIND_BLOCK: "block object", KIND_SCOPE: "scope marker"}
+KIND_FLOOR = 3
+_KINDS = {KIND_BLOCK: "block object", KIND_SCOPE: "scope marker", KIND_FLOOR: "scope floor"}
 NONCE_BYTES = 12
 TAG_BYTES = 16
 _HEADER = struct.Struct(">8sHH8sQ16s12sQ")
