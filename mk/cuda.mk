@@ -52,50 +52,54 @@ test: cuda-bindings-newest
 # GPU runs (need an NVIDIA GPU): benchmark and the one-shot device check.
 #
 # The device check (scripts/device_check.sh; its header is the reference) is the GPU
-# work only, at most 300 s, so that a 15-minute device lease (1-2 minutes of machine
-# start included) leaves room to rerun a failed stage: stages env, probe, deps, nvrtc,
-# preflight, daemon, inprocess, bench (quick); `make device-check STAGES="preflight
-# daemon"` runs a selection (env always; probe and deps when a selected stage needs
-# them). No GPU: exit 3 after the env facts. The CPU-only checks (emulator, fake driver
-# under both cuda-bindings) run in `make test`, not there.
+# work only, at most 360 s: stages env, probe, deps, nvrtc, inprocess, preflight,
+# daemon, bench (quick); `make device-check STAGES="preflight daemon"` runs a
+# selection (env always; probe and deps when a selected stage needs them). No GPU:
+# exit 3 after the env facts. The CPU-only checks (emulator, fake driver under both
+# cuda-bindings) run in `make test`, not there. docs/gpu-path.md gives the exact call
+# of the device tool and what each stage shows.
 
-# Everything the device check needs beyond the device image's torch and cuda-python
-# (pip download also fetches dependencies), at the versions requirements-dev.txt pins.
-# device_check.sh installs only what the image lacks, plus protobuf/grpcio when the
-# image's are older than kvseal's generated stubs need.
-DEVICE_WHEELS := cryptography==50.0.2 protobuf==7.36.2 grpcio==1.85.3 \
+# What the device image lacks (the workplace's device notes, 2026-11: its python3 is
+# 3.12.3 with torch 2.11 cu130, cuda-bindings, NVRTC, numpy, grpcio, protobuf,
+# prometheus-client, pytest, pytest-timeout, hypothesis and typing-extensions), with
+# every dependency of it that the image does not have, one pinned wheel each, at
+# requirements-dev.txt's versions: --no-deps downloads exactly this list (about
+# 13 MB). grpcio and protobuf come too but are installed there only when the image's
+# are too old for kvseal's generated stubs (scripts/device_deps.py decides).
+DEVICE_WHEELS := cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 \
     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
-    opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 prometheus-client==0.26.0 \
-    pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
-# The lent H200's image (the workplace's device notes, 2026-11): python3 3.12.3,
-# torch 2.11 cu130, cuda-bindings and nvidia-cuda-nvrtc, driver 580 (CUDA 13), x86_64
-# glibc Linux. device_check.sh prints the versions it finds first; fetch for others
-# with `make device-wheels DEVICE_PYS="3.11 3.12"`. The run tool carries at most
-# 64 MiB: name `wheels` in its carry list.
+    opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+    opentelemetry-semantic-conventions==0.66b2 \
+    grpcio==1.85.3 protobuf==7.36.2
 DEVICE_PYS ?= 3.12
 # Binary wheels for the device's interpreter and platform, whatever this machine is:
 # the same files on every download, and never an sdist that would need a compiler
 # (or network) there.
 DEVICE_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_34_x86_64 manylinux_2_17_x86_64 \
     manylinux2014_x86_64
+# Any pip will do: the venv's if it is built, else python3's. No venv is built for it.
+DEVICE_PIP ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip
 
-.PHONY: device-wheels
+.PHONY: device-wheels device-check bench-gpu
 
 ## GPU benchmark: kernels, sealed vs plaintext DMA, classic CC path, latency, launches.
 bench-gpu: venv
 	$(PY) bench/bench_gpu.py $(ARGS)
 
-## GPU work in <= 300 s on a machine without network (system python3). STAGES="..."
-## selects from: env probe deps nvrtc preflight daemon inprocess bench (default all).
+## GPU work in <= 360 s on a machine without network (system python3). STAGES="..."
+## selects from: env probe deps nvrtc inprocess preflight daemon bench (default all).
 ## On the device run `bash scripts/device_check.sh` directly: its image may have no make.
 device-check:
 	STAGES="$(STAGES)" bash scripts/device_check.sh
 
-## Download the wheels device-check installs offline (run where there is network).
-device-wheels: venv
+## Download only the wheels the device lacks into ./wheels (where there is network;
+## carry `wheels` to the device). Replaces what was there: one version of each.
+device-wheels:
 	mkdir -p wheels
+	rm -f wheels/*.whl
 	for v in $(DEVICE_PYS); do \
-	    $(PY) -m pip download --quiet --only-binary=:all: --python-version $$v \
-	        --implementation cp $(addprefix --platform ,$(DEVICE_PLATFORMS)) \
-	        -d wheels $(DEVICE_WHEELS) || exit 1; \
+	    $(DEVICE_PIP) download --quiet --disable-pip-version-check --no-deps \
+	        --only-binary=:all: --python-version $$v --implementation cp \
+	        $(addprefix --platform ,$(DEVICE_PLATFORMS)) -d wheels $(DEVICE_WHEELS) || exit 1; \
 	done
+	@du -sh wheels

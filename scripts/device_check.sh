@@ -1,41 +1,55 @@
 #!/usr/bin/env bash
-# kvseal device check: the GPU work, in one run of at most 300 s, on a machine with NO
+# kvseal device check: the GPU work, in one run of at most 360 s, on a machine with NO
 # network: `bash scripts/device_check.sh` (what `make device-check` runs; the device
-# image may have no make). Sized for a 15-minute device lease that includes 1-2 minutes
-# of machine start, so that a failed stage can be rerun (STAGES=...) in the same lease.
-# Designed for an H200 host where torch, cuda-python (cuda-bindings), grpcio, protobuf
-# and pytest are preinstalled in the system python3 and the repo's .venv does not
-# exist. Other packages come as wheels in ./wheels (`make device-wheels` on a machine
-# with network; carry `wheels` along) and are installed into build/device-deps, never
-# into the system site-packages. The CPU-only checks (kernel emulator, the fake-driver
-# conformance test under both cuda-bindings versions) run in CI, not here.
+# image may have no make). Sized for a 15-minute device allowance in which every call
+# starts a fresh machine (1-2 minutes, counted), and no machine starts with under
+# 4 minutes left: one full run (about 8 minutes with the start) leaves room for one
+# rerun of the stages that failed (STAGES=..., on another fresh machine: the wheels
+# are installed again, the kernels compiled again). docs/gpu-path.md gives the exact
+# `run` call.
+# Designed for an H200 host where torch, cuda-python (cuda-bindings), grpcio, protobuf,
+# numpy, pytest, pytest-timeout and hypothesis are preinstalled in the system python3
+# and the repo's .venv does not exist. The rest comes as wheels in ./wheels (`make
+# device-wheels` on a machine with network; carry `wheels` along), installed by
+# scripts/device_deps.py into build/device-deps, never into the system site-packages.
+# The CPU-only checks (kernel emulator, the fake-driver conformance test under both
+# cuda-bindings versions) run in CI, not here.
 #
 # Stages, in this order (name: what; its time limit; its log under $OUT). Every limit
-# is clamped to the global deadline (START + DEVICE_CHECK_BUDGET, default 300 s):
-#   env        0. facts: python, platform, cuda-bindings/cuda-python, driver
-#                 (cuDriverGetVersion, nvidia-smi), IPC handle types opaque or not,
-#                 compute mode, CC mode, /dev/shm size, torch; "unknown (why)" for a
-#                 fact it cannot get. Always runs.                      20 s  setup.log
+# is clamped to the global deadline (START + DEVICE_CHECK_BUDGET, default 360 s):
+#   env        0. facts: python, platform, cuda-bindings (a WARNING outside the
+#                 tested 13.0.3 - 13.5.x), cuda-python, driver (cuDriverGetVersion,
+#                 nvidia-smi), IPC handle types opaque or not, compute mode, CC
+#                 mode, /dev/shm size, torch (a cold first `import torch` and CUDA
+#                 initialisation); "unknown (why)" for a fact it cannot get.
+#                 Always runs.                                          90 s  setup.log
 #   probe      is there a usable GPU (exit 3 without one, before any
-#              install). Runs whenever a GPU stage is selected.        20 s  setup.log
-#   deps       wheels -> build/device-deps (only what the image lacks),
+#              install). Runs whenever a GPU stage is selected.        45 s  setup.log
+#   deps       wheels -> build/device-deps (only what the image lacks,
+#              offline, isolated from the image's pip configuration),
 #              then the effective versions. Runs whenever nvrtc,
-#              daemon, inprocess or bench is selected.                 60 s  setup.log
+#              inprocess, daemon or bench is selected.                 60 s  setup.log
 #   nvrtc      NVRTC build of the kernels for this GPU into the on-disk
 #              cache (build/kvseal-cache) the daemons and tests use.
 #              Unselected, they compile on first use (a few seconds).  60 s  setup.log
+#   inprocess  GPU tests, in-process half (-k "not daemon"): the GPU's
+#              bytes against `cryptography`'s AESGCM, first, since a
+#              symmetric AES bug would pass the daemon's round trip.   90 s  gpu-tests.log
 #   preflight  CUDA IPC between processes with kvseal out of the
 #              picture (scripts/ipc_preflight.py): torch parent,
-#              cuda-python child.                                      35 s  ipc-preflight.log
-#   daemon     GPU tests, daemon half over CUDA IPC (-k daemon), then
-#              every daemon log they left (daemon-logs.log). SKIPPED
-#              when the preflight ran and failed: it would only wait
-#              out its timeouts.                                      120 s  gpu-daemon-tests.log
-#   inprocess  GPU tests, in-process half (-k "not daemon"), in a pytest
-#              run of its own so that a kernel trap in one half cannot
-#              poison the other's context.                             90 s  gpu-tests.log
+#              cuda-python child making every driver call the daemon
+#              makes on a mapping.                                     35 s  ipc-preflight.log
+#   daemon     GPU tests, daemon half over CUDA IPC (-k daemon), in a
+#              pytest run of its own so that a kernel trap in one half
+#              cannot poison the other's context; then every daemon log
+#              they left (daemon-logs.log). SKIPPED when the preflight
+#              ran and failed: it would only wait out its timeouts.    120 s  gpu-daemon-tests.log
 #   bench      bench/bench_gpu.py --quick (QUICK=0: the full one), with
 #              the time left (at most 90 s) as its budget.             90 s  bench.log
+# Both pytest runs: -q (no test names: a hang is named by pytest-timeout's stack
+# dump), --tb=short, 60 s per test, and byte comparisons that report the first
+# differing offset (tests/gpu/bytes_check.py), so a kernel bug fails in seconds
+# and the rest of the half still runs.
 # STAGES="preflight daemon" (names above, space or comma separated; empty: all) runs
 # only those, plus env and the probe/deps they need, as listed. An unknown name is an
 # error (exit 64) that lists the valid ones.
@@ -46,14 +60,16 @@
 #
 # Environment: PYTHON (default python3), OUT (logs go there if set, else
 # build/device-check), DEVICE (GPU ordinal, default 0), STAGES, QUICK (default 1),
-# DEVICE_CHECK_BUDGET (seconds, default 300).
+# DEVICE_CHECK_BUDGET (seconds, default 360), KVSEAL_KERNELS_SAFE (passed to NVRTC:
+# `vector` turns off the 16-byte load/store fast path, `atomics` the device atomics,
+# `1` both; the summary names it; for bisecting wrong bytes in a rerun).
 # Exit status: 0 all selected stages passed; 1 a stage failed (the summary says which;
 # a preflight DEFECT is a kvseal/cuda-bindings bug, a preflight FAILED a platform
 # finding); 2 dependencies missing (the stages that need them ran and failed); 3 no
 # GPU; 64 unknown STAGES name.
 set -u -o pipefail
 
-ALL_STAGES="env probe deps nvrtc preflight daemon inprocess bench"
+ALL_STAGES="env probe deps nvrtc inprocess preflight daemon bench"
 case "${1:-}" in
     -h | --help)
         sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'
@@ -79,8 +95,8 @@ any_selected() {
 }
 # What runs: the selection plus what its stages need (see the header).
 RUN_PROBE=0 RUN_DEPS=0
-any_selected probe nvrtc preflight daemon inprocess bench && RUN_PROBE=1
-any_selected deps nvrtc daemon inprocess bench && RUN_DEPS=1
+any_selected probe nvrtc inprocess preflight daemon bench && RUN_PROBE=1
+any_selected deps nvrtc inprocess daemon bench && RUN_DEPS=1
 
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -89,7 +105,7 @@ DEVICE=${DEVICE:-0}
 LOGS=${OUT:-$ROOT/build/device-check}
 DEPS=$ROOT/build/device-deps
 START=$(date +%s)
-DEADLINE=$((START + ${DEVICE_CHECK_BUDGET:-300}))
+DEADLINE=$((START + ${DEVICE_CHECK_BUDGET:-360}))
 mkdir -p "$LOGS"
 SETUP_LOG=$LOGS/setup.log
 : >"$SETUP_LOG"
@@ -178,7 +194,7 @@ pytest_verdict() {
 }
 
 summary() {
-    note "summary ($(($(date +%s) - START))s in all; stages: $SELECTED; logs in $LOGS)"
+    note "summary ($(($(date +%s) - START))s in all; stages: $SELECTED${SAFE:+; KVSEAL_KERNELS_SAFE=$SAFE}; logs in $LOGS)"
     echo "| stage | result | notes |"
     echo "|---|---|---|"
     printf '%s\n' "${SUMMARY[@]}"
@@ -204,10 +220,13 @@ ALSO="env"
 [ "$RUN_DEPS" -eq 1 ] && ! selected deps && ALSO="$ALSO deps"
 echo "device-check: selected: $SELECTED (also run, as needed: $ALSO)" | tee -a "$SETUP_LOG"
 echo "device-check: budget $((DEADLINE - START))s, logs in $LOGS" | tee -a "$SETUP_LOG"
+SAFE="${KVSEAL_KERNELS_SAFE:-}"
+[ -n "$SAFE" ] && echo "device-check: KVSEAL_KERNELS_SAFE=$SAFE (diagnostic kernels)" |
+    tee -a "$SETUP_LOG"
 
 # NVRTC from pip wheels (nvidia-cuda-nvrtc[-cu12], also pulled in by torch): cuda-python
 # before 12.8 dlopens libnvrtc by soname only, so put those lib dirs on the search path.
-NV_LIBS=$(timeout "$(tmo 20)" "$PY" - <<'EOF' 2>/dev/null
+NV_LIBS=$(timeout "$(tmo 30)" "$PY" - <<'EOF' 2>/dev/null
 import glob, os, site, sys
 roots = list(sys.path)
 try:
@@ -245,7 +264,8 @@ env_facts() {
     else
         echo "/dev/shm: unknown (absent: --host-region files and the preflight use the temp dir)"
     fi
-    timeout 30 "$PY" - "$DEVICE" <<'EOF' 2>&1 || echo "python facts: unknown (exit $?)"
+    # 75 s: a fresh machine's first `import torch` and CUDA initialisation are cold.
+    timeout 75 "$PY" - "$DEVICE" <<'EOF' 2>&1 || echo "python facts: unknown (exit $?)"
 import importlib, importlib.metadata as md, platform, sys
 
 def fact(name, fn):
@@ -258,9 +278,21 @@ dev = int(sys.argv[1])
 fact("platform", platform.platform)
 fact("executable", lambda: sys.executable)
 
+# The versions CI tests (mk/cuda.mk: the pinned KERNELS_NVRTC_PKGS one and
+# CUDA_BINDINGS_NEWEST, under the fake driver); tests/test_device_check.py keeps
+# these in step with it.
+TESTED = ((13, 0, 3), (13, 5))
+
 def bindings():
     import cuda.bindings
-    return f"{cuda.bindings.__version__} from {cuda.bindings.__file__}"
+    v = cuda.bindings.__version__
+    nums = tuple(int(x) for x in v.split("+")[0].split(".")[:3] if x.isdigit())
+    lo, hi = TESTED
+    inside = lo <= nums and nums[:2] <= hi
+    warn = "" if inside else (
+        " WARNING: outside the tested range 13.0.3 - 13.5.x (an API change there is"
+        " what a preflight DEFECT would show)")
+    return f"{v} from {cuda.bindings.__file__}{warn}"
 fact("cuda-bindings", bindings)
 
 def cuda_python():
@@ -327,12 +359,12 @@ EOF
     echo "PYTORCH_(CUDA_)ALLOC_CONF=$PYTORCH_ALLOC_CONF LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 }
 export -f env_facts
-stage env setup 20 bash -c env_facts
+stage env setup 90 bash -c env_facts
 verdict env setup
 
 # ---- probe: is there a GPU (before anything is installed) ---------------------------
 if [ "$RUN_PROBE" -eq 1 ]; then
-    stage probe setup 20 "$PY" - "$DEVICE" <<'EOF'
+    stage probe setup 45 "$PY" - "$DEVICE" <<'EOF'
 import sys
 from kvseal.server.backends.cuda.probe import cuda_available
 ok, why = cuda_available(int(sys.argv[1]))
@@ -360,76 +392,11 @@ def have(m):
     except ImportError:  # a parent package is missing
         return False
 print(" ".join(m for m in sys.argv[1:] if not have(m)))'
-pkg_of() {
-    case $1 in
-        grpc_health) echo grpcio-health-checking ;;
-        grpc_reflection) echo grpcio-reflection ;;
-        opentelemetry.sdk) echo opentelemetry-sdk ;;
-        prometheus_client) echo prometheus-client ;;
-        pytest_timeout) echo pytest-timeout ;;
-        grpc) echo grpcio ;;
-        google.protobuf) echo protobuf ;;
-        *) echo "$1" ;;
-    esac
-}
 # kvseal's generated stubs need protobuf >= 7.35.1 and grpcio >= 1.85.1 (their gencode
 # versions); an older system protobuf/grpcio fails every daemon and client import.
 STUBS_PY='import kvseal.v1.kvseal_pb2, kvseal.v1.kvseal_pb2_grpc'
 # cryptography-vectors (56 MB) stays behind: the run tool carries 64 MiB, and the
 # NIST-vector tests run in CI.
-WHEEL_FAILED=""
-# until END: seconds from now to END, at least 1 (`timeout 0` would mean no limit).
-until_() {
-    local s=$(($1 - $(date +%s)))
-    [ "$s" -lt 1 ] && s=1
-    echo "$s"
-}
-install_deps() {
-    local missing pkgs="" m p end
-    end=$(($(date +%s) + $(clamp 45)))  # all pip calls together
-    missing=$(timeout "$(tmo 20)" "$PY" -c "$MISSING_PY" $NEEDED 2>/dev/null)
-    for m in $missing; do pkgs="$pkgs $(pkg_of "$m")"; done
-    if ! timeout "$(tmo 20)" "$PY" -c "$STUBS_PY" >/dev/null 2>&1; then
-        echo "system protobuf/grpcio too old for kvseal's stubs: taking them from ./wheels"
-        pkgs="$pkgs protobuf grpcio"
-    fi
-    [ -z "${pkgs// /}" ] && { echo "nothing to install"; return 0; }
-    if ! ls wheels/*.whl >/dev/null 2>&1; then
-        echo "no ./wheels here (carry=['wheels'] missing?); needed:$pkgs"
-        return 0
-    fi
-    mkdir -p "$DEPS"
-    # pip --target ignores what is installed elsewhere: every dependency of these
-    # packages (grpcio, protobuf, typing_extensions, ...) lands in $DEPS too and, first
-    # on PYTHONPATH, shadows the system copies. That is what makes the generated
-    # stubs' version guards pass against an older system grpcio/protobuf.
-    if ! "$PY" -m pip --version >/dev/null 2>&1; then
-        echo "no pip for $PY: unpacking every wheel in ./wheels into $DEPS instead"
-        for p in wheels/*.whl; do
-            timeout "$(tmo 30)" "$PY" -m zipfile -e "$p" "$DEPS" || WHEEL_FAILED="$WHEEL_FAILED $p"
-        done
-        return 0
-    fi
-    echo "installing$pkgs from ./wheels into $DEPS (no network)"
-    # shellcheck disable=SC2086
-    if timeout "$(until_ "$end")" "$PY" -m pip install --quiet --disable-pip-version-check \
-        --no-index --find-links wheels --target "$DEPS" --upgrade $pkgs; then
-        return 0
-    fi
-    # One missing or broken wheel must not cost the others: one package at a time,
-    # what fails is recorded and the run goes on.
-    echo "all at once failed: one package at a time"
-    for p in $pkgs; do
-        if [ "$(until_ "$end")" -lt 3 ]; then
-            WHEEL_FAILED="$WHEEL_FAILED $p(no-time-left)"
-            continue
-        fi
-        timeout "$(until_ "$end")" "$PY" -m pip install --quiet --disable-pip-version-check \
-            --no-index --find-links wheels --target "$DEPS" --upgrade "$p" ||
-            WHEEL_FAILED="$WHEEL_FAILED $p"
-    done
-    return 0
-}
 versions() {
     "$PY" - <<'EOF'
 import importlib, importlib.metadata as md
@@ -457,11 +424,13 @@ export -f versions
 if [ "$RUN_DEPS" -eq 1 ]; then
     t0=$SECONDS
     note "deps (limit $(clamp 60)s)" | tee -a "$SETUP_LOG"
-    # Not in a pipeline: install_deps sets WHEEL_FAILED in this shell.
-    DEPS_OUT=$(mktemp -t kvseal-deps.XXXXXX)
-    install_deps >"$DEPS_OUT" 2>&1
-    tee -a "$SETUP_LOG" <"$DEPS_OUT"
-    rm -f "$DEPS_OUT"
+    # scripts/device_deps.py: each carried wheel whose distribution the image lacks
+    # (grpcio/protobuf also when the image's fail kvseal's stubs), pip --no-index
+    # --no-deps --isolated with PIP_CONFIG_FILE=/dev/null, into $DEPS (first on
+    # PYTHONPATH), never into the system site-packages.
+    timeout --kill-after=5 "$(tmo 60)" "$PY" scripts/device_deps.py wheels "$DEPS" 2>&1 |
+        tee -a "$SETUP_LOG"
+    DEPS_RC=${PIPESTATUS[0]}
     missing=$(timeout "$(tmo 20)" "$PY" -c "$MISSING_PY" $NEEDED torch 2>/dev/null)
     timeout "$(tmo 20)" "$PY" -c 'from kvseal.server.backends.cuda.probe import driver_module; driver_module()' \
         2>/dev/null || missing="$missing cuda-python"
@@ -473,10 +442,10 @@ if [ "$RUN_DEPS" -eq 1 ]; then
         hint="run 'make device-wheels' where there is network"
         ls wheels/*.whl >/dev/null 2>&1 || hint="no ./wheels: carry=['wheels'] missing?"
         echo "device-check: MISSING Python modules:$missing ($hint)" | tee -a "$SETUP_LOG"
-        record deps "MISSING" "${missing# }; $hint${WHEEL_FAILED:+; wheels that failed:$WHEEL_FAILED}"
+        record deps "MISSING" "${missing# }; $hint; device_deps.py exit $DEPS_RC"
         MISSING_DEPS=1
     else
-        record deps "ok" "$((SECONDS - t0))s${WHEEL_FAILED:+; wheels that failed (not needed):$WHEEL_FAILED}"
+        record deps "ok" "$((SECONDS - t0))s$([ "$DEPS_RC" -ne 0 ] && echo "; device_deps.py exit $DEPS_RC (not needed)")"
     fi
 fi
 
@@ -505,6 +474,20 @@ EOF
     verdict nvrtc setup "$(grep -E '^NVRTC [(0-9]' "$SETUP_LOG" | tail -1 | cut -c1-120)"
 fi
 
+# ---- inprocess, daemon: GPU tests, each half in a pytest run of its own ---------------
+# -q, not -v: a failing comparison of 4 MiB byte strings is one line (bytes_check),
+# and pytest -v would diff them for minutes; pytest-timeout (60 s a test) names a
+# test that hangs with its stack; faulthandler: Python stacks of a test stuck in a
+# driver call (where pytest-timeout's signal cannot interrupt it).
+GPU_PYTEST=("$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider -o timeout=60
+    -o faulthandler_timeout=50 -m gpu)
+# The in-process half first: GPU bytes against cryptography's AESGCM (a symmetric AES
+# bug would pass the daemon's round trip, which only opens what the GPU sealed).
+if selected inprocess; then
+    stage inprocess gpu-tests 90 "${GPU_PYTEST[@]}" -k "not daemon" tests/gpu
+    pytest_verdict inprocess gpu-tests
+fi
+
 # ---- preflight: can this sandbox do CUDA IPC between processes at all? ----------------
 PREFLIGHT_RC="" PREFLIGHT=""
 if selected preflight; then
@@ -523,11 +506,6 @@ if selected preflight; then
     esac
 fi
 
-# ---- daemon, inprocess: GPU tests, each half in a pytest run of its own ---------------
-# -v: the name of a test that hangs is on screen; faulthandler: Python stacks of a
-# test stuck in a driver call (where pytest-timeout's signal cannot interrupt it).
-GPU_PYTEST=("$PY" -m pytest -v -rs --tb=short -p no:cacheprovider -o timeout=60
-    -o faulthandler_timeout=50 -m gpu)
 if selected daemon; then
     if [ -n "$PREFLIGHT_RC" ] && [ "$PREFLIGHT_RC" -ne 0 ]; then
         # The daemon half needs CUDA IPC between processes: it would wait out its
@@ -552,10 +530,6 @@ if selected daemon; then
             [ "$found" -eq 0 ] && echo "no daemon logs under $GPU_TMP"
         } >"$LOGS/daemon-logs.log" 2>&1
     fi
-fi
-if selected inprocess; then
-    stage inprocess gpu-tests 90 "${GPU_PYTEST[@]}" -k "not daemon" tests/gpu
-    pytest_verdict inprocess gpu-tests
 fi
 
 # ---- bench ----------------------------------------------------------------------------

@@ -10,9 +10,15 @@ The parent plays the engine, the way kvseal's client does it: a torch CUDA tenso
 ``untyped_storage()._share_cuda_()`` and an interprocess event
 (``torch.cuda.Event(interprocess=True).ipc_handle()``). A child process started with
 subprocess (never fork after CUDA init) plays the daemon with cuda-python's driver
-API only: ``cuIpcOpenMemHandle`` and a read back of the bytes, ``cuIpcOpenEventHandle``,
-``cuEventQuery`` and ``cuStreamWaitEvent``; then ``cuMemHostRegister`` of a 2 MiB
-mmap'd /dev/shm file (how a ``--host-region`` file is pinned) and ``cuMemHostAlloc``.
+API only, making every call the daemon makes on a mapping (kvseal's
+backends/cuda/device.py ``open_ipc_mem`` and ipc.py's alias check):
+``cuIpcOpenMemHandle`` with lazy peer access, ``cuPointerGetAttribute(DEVICE_ORDINAL)``
+(which GPU holds it: the daemon refuses another GPU's memory, and only warns when the
+driver cannot say), ``cuMemGetAddressRange`` (the allocation's base and size: the
+mapping must cover the tensor), a read back of the bytes and ``cuIpcCloseMemHandle``;
+``cuIpcOpenEventHandle``, ``cuEventQuery`` and ``cuStreamWaitEvent``; then
+``cuMemHostRegister`` of a 2 MiB mmap'd /dev/shm file (how a ``--host-region`` file is
+pinned) and ``cuMemHostAlloc``. A pass means the daemon half can map.
 
 One line per step: ``preflight: <step>: OK ...``; ``FAILED: <call>: <CUresult name>
 (<code>)`` when the driver returned an error (a finding about this machine: the sandbox,
@@ -52,7 +58,8 @@ HANDLE_BYTES = 64
 DEFECT = "DEFECT (kvseal/cuda-bindings)"
 EXIT_OK, EXIT_IPC_FAILED, EXIT_NO_TORCH_CUDA, EXIT_DEFECT = 0, 1, 2, 3
 SIZE = 2 << 20  # bytes exported over IPC, and pinned by each host-memory step
-IPC_STEPS = ("ipc-mem-open", "ipc-mem-read", "ipc-event-open", "event-query", "stream-wait-event")
+IPC_STEPS = ("ipc-mem-open", "ipc-mem-ordinal", "ipc-mem-range", "ipc-mem-read",
+             "ipc-event-open", "event-query", "stream-wait-event")  # fmt: skip
 
 
 def say(step: str, result: str) -> None:
@@ -152,6 +159,31 @@ def child(spec: dict[str, Any]) -> int:
         box["ptr"] = int(check(cu.cuIpcOpenMemHandle(h, lazy), "cuIpcOpenMemHandle"))
         return f"(mapped at {box['ptr']:#x})"
 
+    def mem_ordinal() -> str:
+        # Which GPU holds the mapping, in this process's numbering (the daemon refuses
+        # memory of another GPU than the one it drives, and maps anyway, with a
+        # warning, when the driver cannot answer for IPC memory).
+        attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        try:
+            owner = int(check(cu.cuPointerGetAttribute(attr, box["ptr"]), "cuPointerGetAttribute"))
+        except Failed as e:
+            return f"(not answered: {e}; the daemon warns and maps anyway)"
+        if owner != int(spec["device"]):
+            raise Failed(f"the mapping is on GPU {owner}, not GPU {spec['device']}")
+        return f"(GPU {owner})"
+
+    def mem_range() -> str:
+        # The daemon sizes the mapping from its allocation: ptr .. base + size.
+        base, whole = check(cu.cuMemGetAddressRange(box["ptr"]), "cuMemGetAddressRange")
+        base, whole = int(base), int(whole)
+        usable = whole - (box["ptr"] - base)
+        if not base <= box["ptr"] or usable < offset + size:
+            raise Failed(
+                f"cuMemGetAddressRange: allocation {base:#x}+{whole} does not cover the "
+                f"tensor at {box['ptr']:#x}+{offset + size}"
+            )
+        return f"(allocation of {whole} bytes, mapping at its base + {box['ptr'] - base})"
+
     def mem_read() -> str:
         buf = (ctypes.c_char * size)()
         src = box["ptr"] + offset
@@ -181,10 +213,12 @@ def child(spec: dict[str, Any]) -> int:
         return ""
 
     if step("ipc-mem-open", mem_open):
+        step("ipc-mem-ordinal", mem_ordinal)
+        step("ipc-mem-range", mem_range)
         step("ipc-mem-read", mem_read)
         step("ipc-mem-close", lambda: check(cu.cuIpcCloseMemHandle(box["ptr"]), "close") or "")
     else:
-        failed.append("ipc-mem-read")
+        failed += ["ipc-mem-ordinal", "ipc-mem-range", "ipc-mem-read"]
     if step("ipc-event-open", event_open):
         step("event-query", event_query)
         step("stream-wait-event", stream_wait)

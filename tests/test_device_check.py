@@ -1,6 +1,9 @@
 """The periodic device check (``--device-check-interval``): a CUDA context lost
 while the daemon is idle turns health NOT_SERVING and ends the daemon with exit
-status 4, as a failure inside a request does, with no request sent.
+status 4, as a failure inside a request does, with no request sent. And, at the
+end, what of the one-shot GPU run on a device machine (scripts/device_check.sh,
+its installer scripts/device_deps.py, its wheels, the GPU tests' byte reporter)
+can be checked without a GPU.
 
 The CUDA backend runs on the emulated device (``EmulatedDevice.lose_context``
 stands in for an Xid or a GPU reset): the backend alone, a real daemon in this
@@ -10,12 +13,18 @@ process (``Daemon.create``: gRPC, the relay, the health service), and
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import os
+import re
 import signal
 import subprocess
 import sys
 import threading
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -280,3 +289,201 @@ def test_daemon_process_exits_4_after_a_context_lost_while_idle(tmp_path: Path) 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --------------------------------------------------------------------------------------
+# scripts/device_check.sh, the one-shot GPU run on a device machine (no GPU here: what
+# can be checked without one: its stages, its wheels, its installer, its reports)
+# --------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "device_check.sh"
+
+
+def _load(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _mk_words(var: str) -> list[str]:
+    """The words of a ``VAR := ...`` assignment (with continuation lines) in mk/cuda.mk."""
+    text = (ROOT / "mk" / "cuda.mk").read_text().replace("\\\n", " ")
+    m = re.search(rf"^{var}\s*:?=\s*(.*)$", text, re.M)
+    assert m, var
+    return m.group(1).split()
+
+
+def _stages() -> list[str]:
+    m = re.search(r'^ALL_STAGES="([^"]+)"', SCRIPT.read_text(), re.M)
+    assert m
+    return m.group(1).split()
+
+
+def test_device_check_runs_the_in_process_half_before_the_daemon_half() -> None:
+    """The GPU's bytes against cryptography's AESGCM come first: a symmetric AES bug
+    (the same wrong keystream both ways) would pass the daemon's round trip."""
+    st = _stages()
+    assert st[:4] == ["env", "probe", "deps", "nvrtc"]
+    assert st.index("inprocess") < st.index("preflight") < st.index("daemon") < st.index("bench")
+
+
+def _run_script(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    out = tmp_path / "out"
+    return subprocess.run(
+        ["bash", str(SCRIPT)],
+        env={**os.environ, "PYTHON": sys.executable, "OUT": str(out), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_device_check_without_a_gpu_stops_after_the_probe(tmp_path: Path) -> None:
+    """On this CPU machine: env facts, then the probe finds no GPU (exit 3); the
+    summary names the stages in their order, the diagnostic switch and the
+    cuda-bindings version (inside the tested range: no warning)."""
+    r = _run_script(tmp_path, STAGES="", KVSEAL_KERNELS_SAFE="1")
+    assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-2000:]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "stages: env probe deps nvrtc inprocess preflight daemon bench" in summary
+    assert "KVSEAL_KERNELS_SAFE=1" in summary
+    assert re.search(r"^\| probe \| NO GPU \|", summary, re.M), summary
+    setup = (tmp_path / "out" / "setup.log").read_text()
+    line = next(ln for ln in setup.splitlines() if ln.startswith("cuda-bindings: "))
+    assert "WARNING" not in line, line
+
+
+def test_the_tested_cuda_bindings_range_is_mk_cuda_s() -> None:
+    """The env stage warns outside the versions CI tests (the pinned NVRTC
+    compile-only one and CUDA_BINDINGS_NEWEST): the script's range is mk/cuda.mk's."""
+    pinned = next(w for w in _mk_words("KERNELS_NVRTC_PKGS") if w.startswith("cuda-bindings=="))
+    newest = _mk_words("CUDA_BINDINGS_NEWEST")[0]
+    lo = tuple(int(x) for x in pinned.split("==")[1].split("."))
+    hi = tuple(int(x) for x in newest.split(".")[:2])
+    m = re.search(r"^TESTED = (\(\([\d, ]+\), \([\d, ]+\)\))$", SCRIPT.read_text(), re.M)
+    assert m and ast.literal_eval(m.group(1)) == (lo, hi), m
+
+
+def test_device_check_allows_a_cold_torch_and_gpu_start() -> None:
+    """The env stage imports torch and initialises CUDA on a fresh machine: its limit
+    (and its Python's) allow a cold start, and the probe's too."""
+    text = SCRIPT.read_text()
+    env = int(re.search(r"^stage env setup (\d+) ", text, re.M).group(1))  # type: ignore[union-attr]
+    facts = int(re.search(r"^    timeout (\d+) \"\$PY\" - \"\$DEVICE\"", text, re.M).group(1))  # type: ignore[union-attr]
+    probe = int(re.search(r"^    stage probe setup (\d+) ", text, re.M).group(1))  # type: ignore[union-attr]
+    assert facts >= 60 and env > facts and probe >= 45
+
+
+def test_device_wheels_are_only_what_the_image_lacks_and_pinned() -> None:
+    """``make device-wheels``: the wheels the device image lacks (and grpcio/protobuf,
+    installed there only if the image's are too old), each pinned at
+    requirements-dev.txt's version, none of what the image has; no venv is built for
+    it, and ``--no-deps`` downloads exactly that list."""
+    wheels = dict(w.split("==") for w in _mk_words("DEVICE_WHEELS"))
+    assert all(wheels.values())
+    need = {"cryptography", "grpcio-health-checking", "grpcio-reflection",
+            "opentelemetry-api", "opentelemetry-sdk"}  # fmt: skip
+    assert need <= set(wheels)
+    image = {"torch", "numpy", "pytest", "pytest-timeout", "hypothesis", "prometheus-client",
+             "cuda-bindings", "typing-extensions", "cryptography-vectors"}  # fmt: skip
+    assert not image & set(wheels)
+    dev = dict(
+        ln.split("==")
+        for ln in (ROOT / "requirements-dev.txt").read_text().splitlines()
+        if "==" in ln and not ln.startswith("#")
+    )
+    for name, version in wheels.items():
+        if name in dev:
+            assert dev[name].split()[0] == version, name
+    dry = subprocess.run(["make", "-n", "-s", "device-wheels"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=False)  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    assert "--no-deps" in dry.stdout and " download " in dry.stdout
+    assert "-m venv" not in dry.stdout and "pip install" not in dry.stdout, dry.stdout
+
+
+def _wheel(d: Path, dist: str, version: str, module: str) -> Path:
+    """A minimal pure-Python wheel of ``dist`` whose ``module`` sets VERSION."""
+    info = f"{dist.replace('-', '_')}-{version}.dist-info"
+    files = {
+        f"{module}/__init__.py": f"VERSION = {version!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: kvseal-test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    path = d / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, body in files.items():
+            z.writestr(name, body)
+    return path
+
+
+def test_device_deps_selects_what_the_image_lacks(tmp_path: Path) -> None:
+    deps = _load(ROOT / "scripts" / "device_deps.py", "device_deps_sel")
+    names = ["cryptography-50.0.2-cp311-abi3-manylinux_2_28_x86_64.whl",
+             "grpcio-1.85.3-cp312-cp312-manylinux2014_x86_64.whl",
+             "grpcio_health_checking-1.85.1-py3-none-any.whl",
+             "protobuf-7.36.2-cp310-abi3-manylinux2014_x86_64.whl"]  # fmt: skip
+    image = {"grpcio": "1.80.0", "protobuf": "6.33.0", "cryptography": "49.0.0"}
+    chosen, held, lines = deps.select([tmp_path / n for n in names], image.get)
+    assert [p.name for p in chosen] == [names[2]]  # absent from the image
+    assert [p.name for p in held] == [names[1], names[3]]  # only if kvseal's imports fail
+    assert "keep cryptography (the image's 49.0.0)" in lines
+    with pytest.raises(ValueError, match="two wheels of grpcio"):
+        deps.select([tmp_path / names[1], tmp_path / "grpcio-1.86.0-py3-none-any.whl"])
+
+
+def test_device_deps_installs_offline_blind_to_pip_configuration(tmp_path: Path) -> None:
+    """The installer on this machine, against a pip configuration that would break a
+    plain ``pip install --target`` (user installs and an unreachable index, from the
+    environment and from a user and a site config file): the wheel lands in the
+    target, offline, and the image's other packages stay the image's."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "kvseal-devtest-dummy", "1.0", "kvseal_devtest_dummy")
+    bad = "[global]\nuser = true\nindex-url = http://127.0.0.1:9/simple\n[install]\nuser = true\n"
+    (tmp_path / "xdg" / "pip").mkdir(parents=True)
+    (tmp_path / "xdg" / "pip" / "pip.conf").write_text(bad)
+    (tmp_path / "site.conf").write_text(bad)
+    target = tmp_path / "target"
+    env = {**os.environ, "PIP_USER": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+           "PIP_CONFIG_FILE": str(tmp_path / "site.conf"), "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "client"), str(ROOT / "server")])}  # fmt: skip
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_deps.py"), str(wheels),
+                        str(target)], env=env, capture_output=True, text=True, timeout=300,
+                       check=False)  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "install kvseal-devtest-dummy 1.0 (not in the image)" in out
+    assert "imports OK" in out, out
+    assert (target / "kvseal_devtest_dummy" / "__init__.py").read_text() == "VERSION = '1.0'\n"
+    assert not (target / "grpc").exists()  # the image's grpcio was good enough
+
+
+def test_offset_reporter_names_the_first_differing_byte() -> None:
+    """tests/gpu/bytes_check.py, what the GPU tests compare with: a 4 MiB block
+    differing at one byte fails with that offset and a short hex context (one line,
+    not pytest's diff of two 4 MiB strings)."""
+    bc = _load(ROOT / "tests" / "gpu" / "bytes_check.py", "bytes_check_t")
+    want = bytes(range(256)) * (4 << 12)
+    for off in (0, 15, 16, 65535, 65536, 3_000_001, len(want) - 1):
+        got = bytearray(want)
+        got[off] ^= 0x40
+        got[off + 1 :] = bytes(len(want) - off - 1)  # later bytes differ too
+        assert bc.first_difference(got, want) == off
+        with pytest.raises(AssertionError) as ei:
+            bc.assert_same_bytes(memoryview(got), want, "page 3")
+        msg = str(ei.value)
+        assert msg.startswith(f"page 3: first difference at offset {off} (AES block {off // 16}")
+        assert "\n" not in msg and len(msg) < 400
+        assert f"{got[off]:02x}" in msg.split("| want", maxsplit=1)[0]
+    assert bc.first_difference(want, bytes(want)) is None
+    bc.assert_same_bytes(want, bytearray(want))
+    assert bc.first_difference(want[:100], want) == 100  # a prefix: differs at its end
+    assert "got 100 bytes, want" in bc.describe_difference(want[:100], want)
