@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from kvseal.client import chain_block_hashes
-from kvseal.server.store.scopes import FLOOR_BYTES, MARKER_BYTES
 
 from .conftest import until
 
@@ -56,6 +55,8 @@ def objects(store: Path) -> list[Path]:
 def scope_records(store: Path) -> tuple[list[Path], list[Path]]:
     """The store's scope markers and floor records (``.scope`` files, told
     apart by their size)."""
+    from kvseal.server.store.scopes import FLOOR_BYTES, MARKER_BYTES
+
     files = sorted(store.glob("*/*.scope"))
     markers = [p for p in files if p.stat().st_size == MARKER_BYTES]
     floors = [p for p in files if p.stat().st_size == FLOOR_BYTES]

@@ -9,8 +9,9 @@ reports on a failed ``seal_blocks`` which blocks it may have written
   pools are this process's memory exported through the emulated CUDA IPC, which
   no other process can map).
 - In process, through ``SealedCache``: a store that fails in the middle of its
-  blocks (both backends, both CUDA seal modes), and the CUDA backend failing at
-  each point before it writes anything.
+  blocks (both backends, both CUDA seal modes), the CUDA backend failing at
+  each point before it writes anything, and (with a store tier under
+  ``--store-policy spill``) an eviction victim's copy failing.
 """
 
 from __future__ import annotations
@@ -34,17 +35,19 @@ from kvseal.server.backends.cuda.device import CudaError
 from kvseal.server.backends.cuda.emulated_device import EmulatedDevice
 from kvseal.server.backends.cuda.keys import KEYCTX_BYTES
 from kvseal.server.cache import SealedCache
-from kvseal.server.config import IntegrityPolicy, ServerConfig
+from kvseal.server.config import IntegrityPolicy, ServerConfig, StorePolicy
 from kvseal.server.daemon import cli
 from kvseal.server.daemon import daemon as daemon_mod
 from kvseal.server.deadline import NO_DEADLINE, Deadline
 from kvseal.server.errors import DeadlinePassed, EngineNotReady, HandleUnusable
 from kvseal.server.hostregion import HostRegion
-from kvseal.server.index import State
+from kvseal.server.index import State, StoreOutcome
 from kvseal.server.sealing import BlockSealer
 from kvseal.v1 import kvseal_pb2 as pb
 
-from .conftest import DaemonProc
+from .conftest import DaemonProc, until
+from .store_helpers import chain
+from .test_store_drop import TPP, Rig
 
 FP = b"model:evict"
 GEOMETRY = {"tokens_per_page": 16, "num_layers": 2, "num_kv_heads": 8, "head_dim": 64}  # 64 KiB
@@ -469,3 +472,55 @@ def test_cuda_store_failing_before_any_write_evicts_nothing(
             dev.lost = False  # let close() release what it holds
         else:
             tier.restores_byte_exact(tier.a_hashes)
+
+
+# ---------------------------------------------------------------- a failed spill snapshot
+
+
+@pytest.mark.parametrize("error", ["EIO", "MemoryError"])
+def test_failed_spill_snapshot_undoes_the_offload(tmp_path: Path, error: str) -> None:
+    """Under ``--store-policy spill`` an offload copies each eviction victim's
+    ciphertext before reusing its slot. A copy that fails (EIO from the host
+    region, MemoryError) fails the offload, and the offload is undone: its new
+    blocks are not left PENDING (a retry stores them, never IN_PROGRESS), no
+    victim is evicted, nothing of it is queued for the store, and the retry's
+    victims reach the store. Real cache, region, sealer and store directory;
+    the failure is injected at the second victim's copy."""
+    tenant = tenant_digest("user-a")
+    rig = Rig(tmp_path, StorePolicy.SPILL, region=4 * 1024)  # 4 blocks of 1 KiB
+    try:
+        first = chain(4, TPP, b"first")
+        rig.offload(tenant, first)
+        second = chain(2, TPP, b"second")
+        real = rig.region.read_into
+        calls = [0]
+
+        def failing(offset: int, out: memoryview) -> int:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise MemoryError() if error == "MemoryError" else OSError(5, "EIO")
+            return real(offset, out)
+
+        rig.region.read_into = failing  # type: ignore[method-assign]
+        with pytest.raises(MemoryError if error == "MemoryError" else OSError):
+            rig.offload(tenant, second, first_page=4)
+        rig.region.read_into = real  # type: ignore[method-assign]
+        _, states = rig.cache.index.lookup(rig.ns, tenant, second)
+        assert states == [State.ABSENT, State.ABSENT], "nothing left PENDING"
+        assert rig.cache.lookup(rig.pool_id, tenant, first)[0] == 4, "no victim evicted"
+        sample = rig.tier.sample()
+        assert sample.queued == 0 and rig.tier._queued_bytes == 0 and not rig.tier._copying
+        # Both snapshots released and counted: the one taken, the one that failed.
+        assert sample.spills_skipped == 2
+        # The retry stores, and its victims are spilled, not lost.
+        res = rig.cache.offload(rig.pool_id, tenant, None, second, [4, 5])
+        assert res.outcomes == [StoreOutcome.STORED] * 2 and res.evicted_blocks == 2
+        until(lambda: rig.tier.sample().spills == 2, "the victims spilled")
+        assert rig.cache.lookup(rig.pool_id, tenant, first)[0] == 4, "in the store"
+        want = [rig.pool.read_block(p) for p in range(4)]
+        for p in range(4):
+            rig.pool.fill_page(p, 0)
+        rig.cache.restore(rig.pool_id, tenant, first, [0, 1, 2, 3], release=False)
+        assert [rig.pool.read_block(p) for p in range(4)] == want
+    finally:
+        rig.close()
