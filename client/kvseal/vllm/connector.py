@@ -16,7 +16,11 @@ What it adds to vLLM's own OffloadingConnector, and why:
   has none) and becomes the kvseal tenant; the salt stays in this process;
 - a restore that failed is reported as load errors of its blocks
   (``get_block_ids_with_load_errors``): with ``kv_load_failure_policy`` set to
-  ``recompute`` vLLM recomputes them. vLLM's OffloadingConnector itself
+  ``recompute`` vLLM recomputes them. A model with several KV-cache groups
+  (hybrid sliding-window or Mamba models) reports the request instead, as a
+  failed receive (``get_transfer_results``), which vLLM recomputes whole;
+- vLLM's ``KVCacheConfig`` is handed to the spec, which offloads every group
+  vLLM's offloading config selects, each with its real bytes. vLLM's OffloadingConnector itself
   supports no failed job; the connector forces ``recompute`` (and says so) when
   the policy is left at vLLM's default ``fail``.
 
@@ -36,6 +40,7 @@ from kvseal.vllm import shm_kv, spec
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
@@ -72,10 +77,12 @@ class KVSealOffloadingConnector(OffloadingConnector):
             )
             ktc.kv_load_failure_policy = "recompute"
         spec._current_vllm_config = vllm_config
+        spec._current_kv_cache_config = kv_cache_config
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
             spec._current_vllm_config = None
+            spec._current_kv_cache_config = None
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, *args: Any, **kw: Any) -> Any:
@@ -105,6 +112,18 @@ class KVSealOffloadingConnector(OffloadingConnector):
         meta = connector_output.kv_connector_worker_meta
         mgr = sched.manager if sched is not None else None
         failed = connector_output.invalid_block_ids
+        failed_reqs = connector_output.failed_recving
+        if sched is not None and failed_reqs and isinstance(mgr, spec.KVSealOffloadingManager):
+            # A hybrid model's failed load: the request as a whole (see
+            # get_transfer_results). Its load jobs' blocks are forgotten.
+            with mgr.lock:
+                for job_id in getattr(meta, "completed_jobs", {}):
+                    job = sched._jobs.get(job_id)
+                    st = sched._req_status.get(job.req_id) if job is not None else None
+                    if job is None or job.is_store or st is None or job.req_id not in failed_reqs:
+                        continue
+                    mgr.note_load_errors(len(job.keys))
+                    mgr.load_failed(job.keys, st.req_context)
         if sched is not None and failed and isinstance(mgr, spec.KVSealOffloadingManager):
             # vLLM 0.33's protocol: every manager call under the manager's lock
             # (taken here and released before vLLM's own code takes it again).
@@ -120,6 +139,23 @@ class KVSealOffloadingConnector(OffloadingConnector):
                     if job is not None and not job.is_store and st is not None:
                         mgr.load_failed(job.keys, st.req_context)
         super().update_connector_output(connector_output)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's transfer results, plus (a model with several KV-cache groups)
+        the requests whose load failed as failed receives: vLLM refuses
+        block-level load errors for such models, and recomputes a failed
+        receive from its first token, so no request runs on a prefix one of
+        whose groups is missing (a sliding window, a Mamba state)."""
+        cw = self.connector_worker
+        jobs = dict(getattr(cw, "_load_jobs", {})) if cw is not None else {}
+        res = super().get_transfer_results(finished_req_ids)
+        w = cw.worker if cw is not None else None
+        if isinstance(w, spec.KVSealOffloadingWorker) and w.multi_group:
+            for job_id in w.take_failed_load_jobs():
+                req_id = jobs.get(job_id)
+                if req_id is not None:
+                    res.failed_recving.add(req_id)
+        return res
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         w = self.connector_worker.worker if self.connector_worker is not None else None

@@ -18,6 +18,7 @@ vLLM recomputes the blocks (as before)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -27,9 +28,28 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+__all__ = [
+    "CONFIG_INFO_KEYS",
+    "LOAD_FAILED_BLOCKS",
+    "SHARED_TENANT",
+    "TIER_BLOCKS",
+    "KVSealLoadStoreSpec",
+    "KVSealOffloadingManager",
+    "config_info_keys",
+    "metric_definitions",
+    "note_request_salt",
+]
+
 from kvseal.client import load_tenant_key, tenant_digest
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys
+from kvseal.vllm.metrics import (  # re-exported
+    CONFIG_INFO_KEYS,
+    LOAD_FAILED_BLOCKS,
+    TIER_BLOCKS,
+    config_info_keys,
+    metric_definitions,
+)
 from kvseal.vllm.mirror import DaemonMirror
 from kvseal.vllm.tier_events import TierEvents
 
@@ -40,9 +60,7 @@ from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
     OffloadingEvent,
-    OffloadingGaugeMetadata,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -57,55 +75,7 @@ from vllm.v1.kv_offload.base import (
 TENANT_KEY = load_tenant_key()
 SHARED_TENANT = tenant_digest(None, key=TENANT_KEY)
 
-# The metric kvseal adds to vLLM's own /metrics (through the spec's
-# build_metric_definitions and the manager's get_stats; exposed with "_total").
-LOAD_FAILED_BLOCKS = "vllm:kvseal_load_failed_blocks"
-# Blocks the tier holds for this engine on every rank (what the scheduler's
-# lookups can hit), as the mirrors last heard: a gauge.
-TIER_BLOCKS = "vllm:kvseal_tier_blocks"
-
 log = logging.getLogger("kvseal.vllm")
-
-# The labels of vLLM 0.33's ``vllm:kv_offload_config_info`` series for kvseal
-# (the spec declares them, the manager fills them once; vLLM 0.32 has no such
-# series and never asks). What an operator wants on a dashboard next to the
-# hit rates: which tier, which daemon, how big, which write mode.
-CONFIG_INFO_KEYS: tuple[str, ...] = (
-    "kvseal_backend",  # the daemon's backend: cpu or cuda ("unknown": not reached yet)
-    "kvseal_daemon_instance",  # rank 0's daemon start (a restart is a new key and cache)
-    "kvseal_socket",  # rank 0's daemon socket (one daemon per rank)
-    "kvseal_ranks",  # daemons (tensor-parallel ranks) a hit needs
-    "kvseal_host_bytes",  # rank 0's tier capacity (--host-bytes; 0: unknown)
-    "kvseal_block_bytes",  # plaintext bytes of one block on one rank
-    "kvseal_write_mode",  # write-through (default) or write-back
-    "kvseal_integrity_policy",  # the daemon's: abort or drop ("" unknown)
-    "kvseal_lookup_discovery",  # blocks stored before this engine found by Lookup
-    "kvseal_transfer_timeout_s",  # the deadline of one Offload/Restore
-)
-
-
-def metric_definitions() -> dict[str, Any]:
-    """The kvseal metrics vLLM registers for the spec (name -> vLLM metadata).
-    The gauge keeps vLLM 0.33's default ``multiprocess_mode`` (``mostrecent``:
-    with several API servers the freshest value, never a sum); vLLM 0.32's
-    metadata has no such field (its multiprocess gauges are per process)."""
-    return {
-        LOAD_FAILED_BLOCKS: OffloadingCounterMetadata(
-            documentation="KV blocks kvseal could not restore (evicted since the "
-            "lookup, failed verification, daemon unreachable or slow); vLLM "
-            "recomputed them",
-        ),
-        TIER_BLOCKS: OffloadingGaugeMetadata(
-            documentation="KV blocks the kvseal tier holds for this engine on every "
-            "rank (what a lookup can hit), as the scheduler last heard from the daemons",
-        ),
-    }
-
-
-def config_info_keys() -> tuple[str, ...]:
-    """Label names of kvseal's ``vllm:kv_offload_config_info`` series (vLLM >= 0.33)."""
-    return CONFIG_INFO_KEYS
-
 
 # request -> cache_salt (vLLM's ReqContext carries no salt), filled in by the
 # connector through note_request_salt before the manager sees the request.
@@ -128,7 +98,13 @@ class ManagerSpec(Protocol):
     def discovery(self) -> bool: ...
 
     @property
-    def group(self) -> int: ...
+    def groups(self) -> tuple[int, ...]: ...
+
+    @property
+    def hit_ranks(self) -> int: ...
+
+    @property
+    def discovery_setting(self) -> bool | None: ...
 
     @property
     def engine_id(self) -> str: ...
@@ -147,11 +123,11 @@ class ManagerSpec(Protocol):
 
     def socket(self, rank: int) -> str: ...
 
-    def fingerprint(self, rank: int) -> bytes: ...
+    def fingerprint(self, rank: int, group: int | None = None) -> bytes: ...
 
     def identity(self, rank: int, tenant_key: bytes | None) -> pb.DeploymentIdentity: ...
 
-    def geometry_template(self) -> pb.PoolGeometry: ...
+    def geometry_template(self, group: int | None = None) -> pb.PoolGeometry: ...
 
 
 @dataclass
@@ -159,11 +135,19 @@ class KVSealLoadStoreSpec(LoadStoreSpec):
     """What the worker needs to store or load blocks: the tenant digest (never
     the salt), the blocks' 32-byte kvseal hashes in chain order (one per vLLM
     block, matching the GPU spec's block ids one to one) and, for a store, the
-    hash of the block that precedes the first one in its chain."""
+    hash of the block that precedes the first one in its chain.
+
+    A model with several KV-cache groups: the hashes are ordered by group, as
+    vLLM orders the GPU block ids, ``group_sizes`` gives how many belong to
+    each offloaded group (in the config's order, zeros included, like vLLM's
+    ``GPULoadStoreSpec.group_sizes``) and ``parents`` each group's parent hash
+    (a store). Empty: every hash is the first group's."""
 
     tenant: bytes
     hashes: list[bytes]
     parent_hash: bytes = b""
+    group_sizes: list[int] = field(default_factory=list)
+    parents: list[bytes] = field(default_factory=list)
 
     def __repr__(self) -> str:
         return f"KVSealLoadStoreSpec({len(self.hashes)} blocks)"
@@ -172,7 +156,23 @@ class KVSealLoadStoreSpec(LoadStoreSpec):
 @dataclass
 class _ReqState:
     tenant: bytes
-    stored_at: dict[int, bytes] = field(default_factory=dict)  # end token -> kvseal hash
+    # (group index, end token) -> kvseal hash of the block stored there
+    stored_at: dict[tuple[int, int], bytes] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    """The manager's view of one offloaded KV-cache group: its mirrors (one per
+    rank a hit needs) and the blocks every one of them holds."""
+
+    index: int  # position in the offloading config (vLLM's group_sizes order)
+    group_id: int
+    tokens_per_block: int
+    mirrors: list[DaemonMirror] = field(default_factory=list)
+    # (tenant, hash) -> ranks whose daemon holds the block; a hit needs all.
+    held: dict[tuple[bytes, bytes], int] = field(default_factory=dict)
+    ready: dict[bytes, set[bytes]] = field(default_factory=dict)  # tenant -> hashes
+    tiers: TierEvents | None = None
 
 
 class KVSealOffloadingManager(OffloadingManager):
@@ -184,96 +184,123 @@ class KVSealOffloadingManager(OffloadingManager):
         # vLLM 0.33's manager lock (see module doc). Reentrant: a holder that
         # calls load_failed reaches _changed through the mirror on its own thread.
         self._lock = threading.RLock()
-        self._ready_blocks = 0  # sum of len(_ready[t]): the TIER_BLOCKS gauge
+        self._ready_blocks = 0  # blocks on every needed rank, all groups: TIER_BLOCKS
         self._reported_blocks = 0  # its value in the last get_stats
         self.resets_flushed = 0  # on_reset_flushed calls (vLLM >= 0.33)
         self._reqs: dict[str, _ReqState] = {}
-        # (tenant, hash) -> ranks whose daemon holds the block; a hit needs all.
-        self._held: dict[tuple[bytes, bytes], int] = {}
-        self._ready: dict[bytes, set[bytes]] = {}  # tenant -> hashes on every rank
         self._events: queue.SimpleQueue[OffloadingEvent] = queue.SimpleQueue()
         self._reverse: dict[bytes, bytes] = {}  # kvseal hash -> vLLM hash (non-identity)
-        # Daemons with a store: vLLM's events come from their streams, per tier.
-        self._tiers = TierEvents(
-            spec.world_size,
-            spec.group,
-            self._events,
-            lambda h: self._reverse.get(h, h),
-            lambda h: self._reverse.pop(h, None),
-        )
-        # hash -> tenant -> (until when a block being stored is a pending hit,
-        # when its store began). Keyed by hash first: complete_store may come
-        # after on_request_finished, when the request's tenant is no longer
-        # known. Only the scheduler thread (prepare_store, complete_store,
+        # (group index, hash) -> tenant -> (until when a block being stored is a
+        # pending hit, when its store began). Keyed by block first: complete_store
+        # may come after on_request_finished, when the request's tenant is no
+        # longer known. Only the scheduler thread (prepare_store, complete_store,
         # lookup, reset_cache) touches it.
-        self._storing: dict[bytes, dict[bytes, tuple[float, float]]] = {}
+        self._storing: dict[tuple[int, bytes], dict[bytes, tuple[float, float]]] = {}
         self._load_failed_blocks = 0  # since the last get_stats (scheduler thread)
         # A job in flight ends within the transfer timeout (the worker's bound).
         self._store_bound_s = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0)) + 5
-        self.world = spec.world_size
-        self.mirrors = [
-            DaemonMirror(
-                rank,
-                spec.socket(rank),
-                keys.pool_name(spec.engine_id, spec.dp_index, rank, "probe"),
-                spec.fingerprint(rank),
-                spec.geometry_template(),
-                self._changed,
-                update_lock=self._lock,
-                discovery=spec.discovery,
-                identity=spec.identity(rank, TENANT_KEY),
-                on_tier=self._tier_event,
-            )
-            for rank in range(self.world)
+        # A hit needs every rank's daemon, except for an MLA latent stored once.
+        self.world = spec.hit_ranks
+        tpb = list(spec.tokens_per_block)
+        self.groups = [
+            _Group(i, gid, int(tpb[i] if i < len(tpb) else tpb[0]))
+            for i, gid in enumerate(spec.groups)
         ]
+        # OffloadKey suffix (the 4-byte group id) -> group: lookup's dispatch.
+        self._by_suffix = {
+            gid.to_bytes(keys.OFFLOAD_GROUP_BYTES, "big"): g
+            for gid, g in zip(spec.groups, self.groups, strict=True)
+        }
+        setting = spec.discovery_setting
+        self.mirrors: list[DaemonMirror] = []  # every group's, rank-major per group
+        for g in self.groups:
+            # Daemons with a store: vLLM's events come from their streams, per tier.
+            g.tiers = TierEvents(
+                self.world,
+                g.group_id,
+                self._events,
+                lambda h: self._reverse.get(h, h),
+                lambda h: self._reverse.pop(h, None) if len(self.groups) == 1 else None,
+            )
+            role = "probe" if len(self.groups) == 1 else f"probe{g.group_id}"
+            g.mirrors = [
+                DaemonMirror(
+                    rank,
+                    spec.socket(rank),
+                    keys.pool_name(spec.engine_id, spec.dp_index, rank, role),
+                    spec.fingerprint(rank, g.group_id),
+                    spec.geometry_template(g.group_id),
+                    functools.partial(self._changed, g),
+                    update_lock=self._lock,
+                    discovery=setting is not False,
+                    identity=spec.identity(rank, TENANT_KEY),
+                    on_tier=functools.partial(self._tier_event, g),
+                )
+                for rank in range(self.world)
+            ]
+            self.mirrors.extend(g.mirrors)
+        self._first = self.groups[0]
+
+    @property
+    def discovery(self) -> bool:
+        """Whether lookups discover blocks the mirrors have no word of:
+        ``kvseal_lookup_discovery`` if set, else whether rank 0's daemon has a
+        store tier (as its mirror last learnt): blocks that outlive a restart
+        must be found after one with the documented one-line configuration."""
+        setting = self.spec.discovery_setting
+        if setting is not None:
+            return setting
+        return bool(self._first.mirrors[0].store_policy)
 
     # ------------------------------------------------------------ mirror feed
 
-    def _changed(self, rank: int, tenant: bytes, h: bytes, present: bool) -> None:
+    def _changed(self, g: _Group, rank: int, tenant: bytes, h: bytes, present: bool) -> None:
         with self._lock:
             k = (tenant, h)
-            n = self._held.get(k, 0)
+            n = g.held.get(k, 0)
             n = n + 1 if present else max(0, n - 1)
-            before = h in self._ready.get(tenant, ())
+            before = h in g.ready.get(tenant, ())
             if n:
-                self._held[k] = n
+                g.held[k] = n
             else:
-                self._held.pop(k, None)
+                g.held.pop(k, None)
             after = n >= self.world
             if after and not before:
-                self._ready.setdefault(tenant, set()).add(h)
+                g.ready.setdefault(tenant, set()).add(h)
                 self._ready_blocks += 1
             elif before and not after:
-                s = self._ready[tenant]
+                s = g.ready[tenant]
                 s.discard(h)
                 self._ready_blocks -= 1
                 if not s:
-                    del self._ready[tenant]
+                    del g.ready[tenant]
             else:
                 return
             # Removed: its vLLM hash is not needed after this event (bounded map;
-            # with tiers, the tier events still name it: they drop it).
-            tiered = self._tiered(rank)
-            vh = self._reverse.get(h, h) if after or tiered else self._reverse.pop(h, h)
+            # with tiers, the tier events still name it: they drop it; another
+            # group may still hold a block of the same hash: then it stays).
+            tiered = self._tiered(g, rank)
+            keep = after or tiered or any(k in o.held for o in self.groups if o is not g)
+            vh = self._reverse.get(h, h) if keep else self._reverse.pop(h, h)
         if self.spec.kv_events_config.enable_kv_cache_events and not tiered:
-            okey = OffloadKey(keys.make_offload_key(vh, self.spec.group))
+            okey = OffloadKey(keys.make_offload_key(vh, g.group_id))
             self._events.put(OffloadingEvent(keys=[okey], medium=Medium.CPU, removed=not after))
 
-    def _tiered(self, rank: int) -> bool:
+    def _tiered(self, g: _Group, rank: int) -> bool:
         """Whether rank's daemon has a store tier (its events name their tier)."""
-        mirrors = getattr(self, "mirrors", ())  # not yet during construction
+        mirrors = g.mirrors  # empty during construction
         return rank < len(mirrors) and bool(mirrors[rank].store_policy)
 
-    def _tier_event(self, rank: int, ev: pb.BlockEvent | None) -> None:
+    def _tier_event(self, g: _Group, rank: int, ev: pb.BlockEvent | None) -> None:
         """A daemon with a store tier: vLLM's KV events come from the daemons'
         streams, a medium per tier (kvseal.vllm.tier_events); ``None``: rank's
         stream had a gap. Under the manager's lock (the mirrors' update lock)."""
-        if not self.spec.kv_events_config.enable_kv_cache_events:
+        if not self.spec.kv_events_config.enable_kv_cache_events or g.tiers is None:
             return
         if ev is None:
-            self._tiers.reset(rank)
-        elif self._tiered(rank):
-            self._tiers.event(rank, ev)
+            g.tiers.reset(rank)
+        elif self._tiered(g, rank):
+            g.tiers.event(rank, ev)
 
     # ------------------------------------------------------------ helpers
 
@@ -327,25 +354,28 @@ class KVSealOffloadingManager(OffloadingManager):
         # for their common cases (a known request, a 32-byte vLLM hash).
         st = self._reqs.get(req_context.req_id)
         tenant = st.tenant if st is not None else self._tenant(req_context)
+        g = self._by_suffix.get(key[-keys.OFFLOAD_GROUP_BYTES :])
+        if g is None:  # a group the spec does not offload: never a hit
+            return LookupResult.MISS
         h = key[: -keys.OFFLOAD_GROUP_BYTES]
         h = bytes(h) if len(h) == keys.HASH_BYTES else self._h(key)
-        s = self._ready.get(tenant)
+        s = g.ready.get(tenant)
         if s is not None and h in s:
             return LookupResult.HIT
-        pending = self._storing.get(h)
+        pending = self._storing.get((g.index, h))
         job = pending.get(tenant) if pending is not None else None
         if job is not None:
             if time.monotonic() < job[0]:
                 return LookupResult.HIT_PENDING
-            self._forget_store(h, tenant)
-        if not self.spec.discovery:
+            self._forget_store(g.index, h, tenant)
+        if not self.discovery:
             return LookupResult.MISS
-        # Discovery (opt-in): a block some rank's mirror has no word of is asked
-        # about in the background, and the request is looked up again next step
-        # (RETRY; vLLM keeps scanning, so all of the request's blocks are asked at
+        # Discovery: a block some rank's mirror has no word of is asked about in
+        # the background, and the request is looked up again next step (RETRY;
+        # vLLM keeps scanning, so all of the request's blocks are asked at
         # once). Never for a block known absent, never waiting for a daemon away.
         retry = False
-        for m in self.mirrors:
+        for m in g.mirrors:
             if m.contains(tenant, h):
                 continue
             if m.discovery.known_absent(tenant, h) or not m.discovery.discover(tenant, h):
@@ -353,27 +383,62 @@ class KVSealOffloadingManager(OffloadingManager):
             retry = True
         return LookupResult.RETRY if retry else LookupResult.MISS
 
+    def _by_group(
+        self, keys_: Collection[OffloadKey], remember: bool = False
+    ) -> list[tuple[_Group, list[OffloadKey], list[bytes]]]:
+        """``keys_`` split by group, in the config's group order (the order of
+        vLLM's GPU block ids), each group's keys in the order given; keys of a
+        group not offloaded are dropped."""
+        parts: dict[int, tuple[_Group, list[OffloadKey], list[bytes]]] = {}
+        for k in keys_:
+            g = self._by_suffix.get(k[-keys.OFFLOAD_GROUP_BYTES :])
+            if g is None:
+                continue
+            part = parts.get(g.index)
+            if part is None:
+                part = parts[g.index] = (g, [], [])
+            part[1].append(k)
+            part[2].append(self._h(k, remember))
+        return [parts[i] for i in sorted(parts)]
+
+    def _spec(
+        self,
+        tenant: bytes,
+        parts: Sequence[tuple[_Group, Sequence[bytes]]],
+        parents: Mapping[int, bytes] | None = None,
+    ) -> KVSealLoadStoreSpec:
+        hashes = [h for _g, hs in parts for h in hs]
+        if len(self.groups) == 1:
+            parent = (parents or {}).get(0, b"")
+            return KVSealLoadStoreSpec(tenant, hashes, parent)
+        sizes = [0] * len(self.groups)
+        for g, hs in parts:
+            sizes[g.index] = len(hs)
+        par = [(parents or {}).get(i, b"") for i in range(len(self.groups))]
+        return KVSealLoadStoreSpec(tenant, hashes, par[0], sizes, par)
+
     def load_failed(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> None:
         """A restore of these blocks failed (evicted meanwhile, failed verification,
         daemon unreachable or slow): stop claiming them, so vLLM recomputes them
         once and does not try (and fail) again. They come back if the daemon
         announces them anew. Called by the connector, on the scheduler thread."""
         tenant = self._tenant(req_context)
-        hashes = [self._h(k) for k in keys_]
-        for m in self.mirrors:
-            m.forget(tenant, hashes)
+        for g, _ks, hashes in self._by_group(keys_):
+            for m in g.mirrors:
+                m.forget(tenant, hashes)
 
     def prepare_load(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         # The daemon pins blocks only for the Restore itself; a block evicted in
-        # between fails the restore from that block on (the worker restores the
-        # blocks before it; vLLM recomputes the rest). To make that rare, the
+        # between fails the restore (the worker restores what it can of a
+        # single-group prefix; vLLM recomputes the rest). To make that rare, the
         # blocks become the most recent in the daemon's LRU now, in the background
         # (vLLM's own CPU manager pins them from here until the load ends).
         tenant = self._tenant(req_context)
-        hashes = [self._h(k) for k in keys_]
-        for m in self.mirrors:
-            m.touch(tenant, hashes)
-        return KVSealLoadStoreSpec(tenant, hashes)
+        parts = self._by_group(keys_)
+        for g, _ks, hashes in parts:
+            for m in g.mirrors:
+                m.touch(tenant, hashes)
+        return self._spec(tenant, [(g, hs) for g, _ks, hs in parts])
 
     def touch(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> None:
         # Recency is the daemon's business (restores and re-offloads touch);
@@ -385,39 +450,34 @@ class KVSealOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         tenant = self._tenant(req_context)
         st = self._reqs[req_context.req_id]
-        ready = self._ready.get(tenant, set())
         to_store: list[OffloadKey] = []
-        hashes: list[bytes] = []
-        held: list[bytes] = []
-        for k in keys_:
-            h = self._h(k, remember=True)
-            if h in ready:
-                held.append(h)
-            else:
-                to_store.append(k)
-                hashes.append(h)
-        if held:  # held already: no copy, but their use still counts
-            for m in self.mirrors:
-                m.touch(tenant, held)
-        if not to_store:
-            return PrepareStoreOutput(
-                keys_to_store=[], store_spec=KVSealLoadStoreSpec(tenant, []), evicted_keys=[]
-            )
+        parts: list[tuple[_Group, list[bytes]]] = []
+        parents: dict[int, bytes] = {}
         now = time.monotonic()
         job = (now + self._store_bound_s, now)
-        for h in hashes:
-            self._storing.setdefault(h, {})[tenant] = job
-        parent = b""
-        pos = req_context.get_offload_key_position(to_store[0])
-        if pos is not None:
-            parent = st.stored_at.get(pos - self.spec.tokens_per_block[0], b"")
-            for k, h in zip(to_store, hashes, strict=True):
-                p = req_context.get_offload_key_position(k)
-                if p is not None:
-                    st.stored_at[p] = h
+        for g, ks, hs in self._by_group(keys_, remember=True):
+            ready = g.ready.get(tenant, set())
+            held = [h for h in hs if h in ready]
+            if held:  # held already: no copy, but their use still counts
+                for m in g.mirrors:
+                    m.touch(tenant, held)
+            new = [(k, h) for k, h in zip(ks, hs, strict=True) if h not in ready]
+            if not new:
+                continue
+            for _k, h in new:
+                self._storing.setdefault((g.index, h), {})[tenant] = job
+            pos = req_context.get_offload_key_position(new[0][0])
+            if pos is not None:
+                parents[g.index] = st.stored_at.get((g.index, pos - g.tokens_per_block), b"")
+                for k, h in new:
+                    p = req_context.get_offload_key_position(k)
+                    if p is not None:
+                        st.stored_at[(g.index, p)] = h
+            to_store.extend(k for k, _h in new)
+            parts.append((g, [h for _k, h in new]))
         return PrepareStoreOutput(
             keys_to_store=to_store,
-            store_spec=KVSealLoadStoreSpec(tenant, hashes, parent),
+            store_spec=self._spec(tenant, parts, parents),
             evicted_keys=[],  # the daemon evicts; removals arrive as events
         )
 
@@ -435,30 +495,31 @@ class KVSealOffloadingManager(OffloadingManager):
         tenant with this block's store pending gets the same treatment (the
         same hash in two tenants' stores at once is rare; a wrong claim is
         dropped by the verification)."""
-        done: dict[tuple[bytes, float], list[bytes]] = {}  # (tenant, began) -> hashes
-        for k in keys_:
-            h = self._h(k)
-            for tenant, (_until, began) in list(self._storing.get(h, {}).items()):
-                if success:
-                    done.setdefault((tenant, began), []).append(h)
-                self._forget_store(h, tenant)
-        for (tenant, began), hashes in done.items():
-            for m in self.mirrors:
+        # (group index, tenant, began) -> hashes
+        done: dict[tuple[int, bytes, float], list[bytes]] = {}
+        for g, _ks, hashes in self._by_group(keys_):
+            for h in hashes:
+                for tenant, (_until, began) in list(self._storing.get((g.index, h), {}).items()):
+                    if success:
+                        done.setdefault((g.index, tenant, began), []).append(h)
+                    self._forget_store(g.index, h, tenant)
+        for (gi, tenant, began), hashes in done.items():
+            for m in self.groups[gi].mirrors:
                 m.stored(tenant, hashes, began)
         if len(self._storing) > 4096:  # stale ones (e.g. jobs that never completed)
             now = time.monotonic()
             self._storing = {
-                h: kept
-                for h, ts in self._storing.items()
+                k: kept
+                for k, ts in self._storing.items()
                 if (kept := {t: j for t, j in ts.items() if j[0] > now})
             }
 
-    def _forget_store(self, h: bytes, tenant: bytes) -> None:
-        pending = self._storing.get(h)
+    def _forget_store(self, gi: int, h: bytes, tenant: bytes) -> None:
+        pending = self._storing.get((gi, h))
         if pending is not None:
             pending.pop(tenant, None)
             if not pending:
-                del self._storing[h]
+                del self._storing[(gi, h)]
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         while True:
@@ -508,13 +569,15 @@ class KVSealOffloadingManager(OffloadingManager):
                 "kvseal_ranks": self.world,
                 "kvseal_host_bytes": m.host_bytes_capacity,
                 "kvseal_block_bytes": sum(
-                    seg.bytes for seg in self.spec.geometry_template().segments
+                    seg.bytes
+                    for g in self.groups
+                    for seg in self.spec.geometry_template(g.group_id).segments
                 ),
                 "kvseal_write_mode": "write-back"
                 if bool(extra.get("kvseal_write_back", False))
                 else "write-through",
                 "kvseal_integrity_policy": m.integrity_policy,
-                "kvseal_lookup_discovery": self.spec.discovery,
+                "kvseal_lookup_discovery": self.discovery,
                 "kvseal_transfer_timeout_s": float(extra.get("kvseal_transfer_timeout_s", 10.0)),
             }
         ]

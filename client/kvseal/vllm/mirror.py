@@ -50,7 +50,7 @@ from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError, PoolHold
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm.discovery import Discovery
 from kvseal.vllm.keys import observer_geometry
-from kvseal.vllm.mirror_rounds import RESYNC_BATCH, sweep_tenants, touch_round
+from kvseal.vllm.mirror_rounds import RESYNC_BATCH, sweep_tenants, touch_round, verify_round
 
 __all__ = ["DaemonMirror", "observer_geometry"]  # the geometry lives in keys
 
@@ -266,18 +266,18 @@ class DaemonMirror:
             self._intro_q.put(_WAKE)
 
     def forget(self, tenant: bytes, hashes: Iterable[bytes]) -> None:
-        """Drop blocks the daemon could not restore (see the manager's load_failed),
-        also from the blocks to verify: they come back only if the daemon
-        announces them anew (or this engine stores them again)."""
+        """Drop blocks a restore could not bring back (see the manager's
+        load_failed) now, and have a background ``Lookup`` re-check them: those
+        the daemon still holds (the rest of a restore that one evicted or
+        tampered block failed: the daemon evicts only the blocks that failed)
+        come back; the others stay away until the daemon announces them anew.
+        vLLM does not offer a block it believes offloaded again, so without
+        the re-check an intact block would stay a miss."""
         hs = list(hashes)
-        with self._lock:
-            todo = self._unverified.get(tenant)
-            if todo is not None:
-                for h in hs:
-                    todo.pop(h, None)
-                if not todo:
-                    del self._unverified[tenant]
         self._set(tenant, hs, False)
+        with self._lock:
+            self._unverified.setdefault(tenant, {}).update(dict.fromkeys(hs))
+        self._intro_q.put(_WAKE)
 
     def blocks(self) -> int:
         with self._lock:
@@ -446,42 +446,8 @@ class DaemonMirror:
 
     def _verify_round(self) -> bool:
         """One Lookup per tenant (per batch) of the blocks to verify (see
-        :meth:`stored`); only while subscribed, so that every change after the
-        answer reaches the mirror as an event. True when some must be re-asked."""
-        pool_id, gen = self.pool_id, self._stream_gen
-        if pool_id is None or not self.synced.is_set():
-            return False  # kept queued: asked once the stream is back
-        with self._lock:
-            work, self._unverified = self._unverified, {}
-        retry = False
-        for tenant, hs in work.items():
-            hl = list(hs)
-            for i in range(0, len(hl), RESYNC_BATCH):
-                batch = hl[i : i + RESYNC_BATCH]
-                watch = self._watch_begin()
-                try:
-                    states = self._client.lookup(pool_id, tenant, batch).states
-                except KVSealRpcError as e:
-                    log.info("kvseal mirror %d: verifying Lookup failed: %s", self.rank, e)
-                    states = None
-                finally:
-                    self._watch_end(watch)
-                if (
-                    states is None
-                    or pool_id != self.pool_id
-                    or gen != self._stream_gen
-                    or not self.synced.is_set()
-                ):
-                    # Not answered, or not across one live subscription: ask again.
-                    with self._lock:
-                        self._unverified.setdefault(tenant, {}).update(dict.fromkeys(batch))
-                    retry = True
-                    continue
-                self.named.add(tenant)  # the Lookup named it before it answered
-                self.verified += len(batch)
-                ready = [st == pb.BLOCK_READY for st in states]
-                self._answer(tenant, batch, ready, watch)
-        return retry
+        :meth:`stored`, :meth:`forget`); True when some must be re-asked."""
+        return verify_round(self)
 
     def _sweep(self, now: float) -> None:
         sweep_tenants(self, now)

@@ -1,4 +1,4 @@
-"""Two of :class:`~kvseal.vllm.mirror.DaemonMirror`'s background rounds (its
+"""Three of :class:`~kvseal.vllm.mirror.DaemonMirror`'s background rounds (its
 introducer thread runs them; they read and write the mirror's state under the
 mirror's own locks, exactly as its methods would)."""
 
@@ -7,9 +7,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from typing import Protocol
 
 from kvseal.client import KVSealClient, KVSealRpcError
+from kvseal.v1 import kvseal_pb2 as pb
 
 log = logging.getLogger("kvseal.vllm")
 
@@ -33,6 +35,25 @@ class DaemonMirror(Protocol):
     _ready: dict[bytes, set[bytes]]
     _unverified: dict[bytes, dict[bytes, None]]
     _suspended: dict[bytes, set[bytes]]
+    _lock: threading.Lock
+    _stream_gen: int
+    synced: threading.Event
+    verified: int
+
+    def _watch_begin(self) -> set[tuple[bytes, bytes]]: ...
+
+    def _watch_end(self, w: set[tuple[bytes, bytes]]) -> None: ...
+
+    def _answer(
+        self,
+        tenant: bytes,
+        hashes: Sequence[bytes],
+        ready: Sequence[bool],
+        watch: set[tuple[bytes, bytes]],
+        *,
+        add: bool = True,
+        drop: bool = True,
+    ) -> None: ...
 
 
 def touch_round(m: DaemonMirror, todo: dict[bytes, dict[bytes, None]]) -> bool:
@@ -76,3 +97,43 @@ def sweep_tenants(m: DaemonMirror, now: float) -> None:
             else:
                 m.named.discard(tenant)
                 m.forgotten_tenants += 1
+
+
+def verify_round(m: DaemonMirror) -> bool:
+    """One Lookup per tenant (per batch) of the blocks a mirror must verify
+    (its ``stored`` and ``forget``); only while subscribed, so that every change after the
+    answer reaches the mirror as an event. True when some must be re-asked."""
+    pool_id, gen = m.pool_id, m._stream_gen
+    if pool_id is None or not m.synced.is_set():
+        return False  # kept queued: asked once the stream is back
+    with m._lock:
+        work, m._unverified = m._unverified, {}
+    retry = False
+    for tenant, hs in work.items():
+        hl = list(hs)
+        for i in range(0, len(hl), RESYNC_BATCH):
+            batch = hl[i : i + RESYNC_BATCH]
+            watch = m._watch_begin()
+            try:
+                states = m._client.lookup(pool_id, tenant, batch).states
+            except KVSealRpcError as e:
+                log.info("kvseal mirror %d: verifying Lookup failed: %s", m.rank, e)
+                states = None
+            finally:
+                m._watch_end(watch)
+            if (
+                states is None
+                or pool_id != m.pool_id
+                or gen != m._stream_gen
+                or not m.synced.is_set()
+            ):
+                # Not answered, or not across one live subscription: ask again.
+                with m._lock:
+                    m._unverified.setdefault(tenant, {}).update(dict.fromkeys(batch))
+                retry = True
+                continue
+            m.named.add(tenant)  # the Lookup named it before it answered
+            m.verified += len(batch)
+            ready = [st == pb.BLOCK_READY for st in states]
+            m._answer(tenant, batch, ready, watch)
+    return retry
