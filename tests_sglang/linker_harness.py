@@ -38,6 +38,7 @@ def make_linker(
     model: str = "tiny",
     req_to_token_pool: Any = None,
     server_args: Any = None,
+    swa_window: int | None = None,
     **extra: Any,
 ) -> Any:
     from kvseal.sglang.linker import KVSealLinker
@@ -50,6 +51,8 @@ def make_linker(
         pp_size=1,
         attn_tp_cache_group=None,
         tp_cache_group=None,
+        sliding_window_size=swa_window,
+        swa_retain_window=swa_window,
     )
     args = server_args or SimpleNamespace(model_path=model, revision=None)
     return KVSealLinker(

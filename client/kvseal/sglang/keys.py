@@ -80,8 +80,19 @@ def model_fingerprint(
     tp_rank: int,
     tp_size: int,
     pp_rank: int,
+    component: str = "kv",
+    kind: str = "mha",
+    layout: str = "sglang-page:v1",
+    rank_replicated: bool = False,
 ) -> bytes:
-    """A 32-byte fingerprint of everything the bytes of one block depend on."""
+    """A 32-byte fingerprint of everything the bytes of one block depend on.
+
+    The component (SGLang's pool name: kv, swa, mamba), its kind (mha, mla,
+    mamba) and staging layout are bound too, so each component is its own
+    namespace; an MHA ``kv`` pool in the first layout keeps the first
+    version's fingerprint. A rank-replicated pool (MLA: the latent is the same
+    on every TP rank) binds the TP size but not the rank, so ranks that share
+    a daemon share its blocks."""
     h = hashlib.sha256(b"kvseal/sglang-model/v1\x00")
     parts = [
         model,
@@ -92,9 +103,11 @@ def model_fingerprint(
         f"heads={heads}x{head_dim}/{v_head_dim}",
         f"block={block_bytes}",
         HASH_SCHEME,
-        f"tp={tp_rank}/{tp_size}",
+        f"tp=replicated/{tp_size}" if rank_replicated else f"tp={tp_rank}/{tp_size}",
         f"pp={pp_rank}",
     ]
+    if (component, kind, layout) != ("kv", "mha", "sglang-page:v1"):
+        parts.append(f"component={component};kind={kind};layout={layout}")
     for p in parts:
         raw = p.encode()
         h.update(struct.pack(">I", len(raw)) + raw)

@@ -25,6 +25,23 @@ counters once per step. How kvseal answers each (docs/sglang.md has the table):
   staging and seals them through the daemon; a page already held is only
   touched. Results are reported in order through the counters.
 
+Hybrid models: each component SGLang hands the linker (``kv``, and ``swa``
+or ``mamba``; :mod:`kvseal.sglang.pools`) is its own kvseal pool
+(:class:`~kvseal.sglang.tier.ComponentTier`). A prefix length is restorable
+only when every component has what SGLang will load at that boundary (every
+``kv`` page before it, the ``swa`` pages of the window ending there, the
+``mamba`` state stored at it); an offload or load succeeds only when every
+component's does, and a failed load writes only the request's private slots,
+which SGLang frees and recomputes.
+
+MLA under tensor parallelism: the latent is the same on every rank, so its
+fingerprint binds no rank, and when the ranks share one daemon (``socket``
+without ``{rank}``) only rank 0 offloads (SGLang's storage dedup, as its own
+direct linkers do); every rank restores from that daemon itself. SGLang's
+rank-0 load broadcast (``--enable-linker-mla-dedup``) is not used: it
+delivers pages during the forward, where a failure can only abort the request
+(HTTP 503), never recompute it.
+
 Tenants: SGLang's ABC does not pass ``cache_salt`` to the linker; the
 namespace hooks (:mod:`kvseal.sglang.hooks`, installed on import) tell it
 around each ``match_prefix`` and ``insert``.
@@ -42,15 +59,10 @@ from typing import Any
 import torch
 from kvseal.client import ClientConfig, KVSealClient
 from kvseal.client.config import socket_target
-from kvseal.sglang import hooks, keys
-from kvseal.sglang.layout import PageCopier, geometry_of
-from kvseal.sglang.staging import Slots, new_staging, pool_inputs
-from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm.kv_pool import KVPool
-from kvseal.vllm.mirror import DaemonMirror
+from kvseal.sglang import hooks, keys, pools
+from kvseal.sglang.tier import ComponentTier
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     LayerWiseLoadCounter,
     UnifiedCacheLinker,
@@ -78,11 +90,12 @@ class KVSealLinker(UnifiedCacheLinker):
     """SGLang's external cache linker backed by a kvseal daemon (module doc).
 
     Construction (SGLang's worker, at start-up) validates the config and the
-    KV pool (ValueError naming what is unsupported), allocates the staging
-    blocks, registers them with the daemon (waiting up to ``ready_wait_s``; a
-    daemon that is down only means misses and dropped offloads until it is
-    up) and starts the mirror and the transfer threads. Every method SGLang
-    calls returns a verdict and never raises for a daemon failure.
+    pools (ValueError naming what is unsupported), allocates each component's
+    staging blocks, registers them with the daemon (waiting up to
+    ``ready_wait_s``; a daemon that is down only means misses and dropped
+    offloads until it is up) and starts the mirrors and the transfer threads.
+    Every method SGLang calls returns a verdict and never raises for a daemon
+    failure.
     """
 
     def __init__(
@@ -100,12 +113,6 @@ class KVSealLinker(UnifiedCacheLinker):
             raise ValueError(
                 f"kvseal linker: unknown option(s) {unknown}; known: {sorted(OPTIONS)}"
             )
-        others = sorted(c.name for c in components if c != ComponentType.FULL)
-        if others:
-            raise ValueError(
-                f"kvseal linker stores full-attention KV only; this model also has {others} "
-                "(SWA and Mamba state are not supported)"
-            )
         self.load_mode = str(extra.get("load_mode", "verified"))
         if self.load_mode not in ("verified", "async"):
             raise ValueError(
@@ -114,49 +121,24 @@ class KVSealLinker(UnifiedCacheLinker):
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
-        self.pools: dict[PoolName, object] = {PoolName.KV: kvcache}
-        self.geometry = g = geometry_of(kvcache, self.page_size)
-        self.copier = PageCopier(kvcache.k_buffer, kvcache.v_buffer, g)
-        self.device = kvcache.k_buffer[0].device
-        self.cuda = self.device.type == "cuda"
+        kinds = {getattr(c, "name", str(c)) for c in components}
+        try:
+            comps = pools.components(kvcache, params, kinds, self.page_size)
+        except ValueError as e:
+            raise ValueError(f"kvseal linker: {e}") from None
+        self.swa_window_pages = 0
+        if "SWA" in kinds:
+            window = getattr(params, "swa_retain_window", None) or getattr(
+                params, "sliding_window_size", None
+            )
+            if not window or int(window) <= 0:
+                raise ValueError("kvseal linker: an SWA model without a sliding window size")
+            self.swa_window_pages = -(-int(window) // self.page_size)
         tp_rank, tp_size = _tp(params)
         pp_rank = int(getattr(params, "pp_rank", 0) or 0)
         self.rank = tp_rank
-        staging_bytes = int(extra.get("staging_bytes", 256 << 20))
-        blocks = max(1, min(1 << 16, staging_bytes // g.block_bytes))
-        self.staging = new_staging(blocks, g.block_bytes, self.device)
-        self.slots = Slots(blocks)
-        # An offload takes at most half the blocks at a time, so a load (on the
-        # scheduler thread in "verified" mode) never waits for a whole offload.
-        self._offload_chunk = max(1, blocks // 2)
-        fingerprint = keys.model_fingerprint(
-            model=str(getattr(server_args, "model_path", "")),
-            revision=getattr(server_args, "revision", None),
-            dtype=g.dtype,
-            page_size=g.page_size,
-            num_layers=g.num_layers,
-            start_layer=int(getattr(kvcache, "start_layer", 0) or 0),
-            heads=g.heads,
-            head_dim=g.head_dim,
-            v_head_dim=g.v_head_dim,
-            block_bytes=g.block_bytes,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            pp_rank=pp_rank,
-        )
-        template = pb.PoolGeometry(
-            num_pages=1,
-            tokens_per_page=g.page_size,
-            num_layers=g.num_layers,
-            num_kv_heads=g.heads,
-            head_dim=g.head_dim,
-            dtype=g.dtype,
-            layout="sglang-page:v1",
-            segments=[
-                pb.Segment(buffer=0, offset=0, page_stride=g.block_bytes, bytes=g.block_bytes)
-            ],
-        )
-        sock = str(extra.get("socket", DEFAULT_SOCKET)).format(rank=tp_rank)
+        sock_template = str(extra.get("socket", DEFAULT_SOCKET))
+        sock = sock_template.format(rank=tp_rank)
         self.target = sock if "://" in sock else socket_target(sock)
         self.client = KVSealClient(
             ClientConfig(
@@ -165,54 +147,87 @@ class KVSealLinker(UnifiedCacheLinker):
             )
         )
         tag = str(extra.get("instance", "sglang"))
-        tensors, refs = pool_inputs(self.staging)
-        self.kv = KVPool(
-            self.client,
-            keys.pool_name(tag, tp_rank, pp_rank, "kv"),
-            fingerprint,
-            template,
-            tensors,
-            refs,
-        )
         self.tenants = keys.Tenants()
-        model = str(getattr(server_args, "model_path", "")).rstrip("/").rsplit("/", 1)[-1]
+        model_path = str(getattr(server_args, "model_path", ""))
+        model = model_path.rstrip("/").rsplit("/", 1)[-1]
         label = f"{extra.get('deployment_label') or model}/tp{tp_rank}of{tp_size}"
-        self.mirror = DaemonMirror(
-            tp_rank,
-            self.target,
-            keys.pool_name(tag, tp_rank, pp_rank, "probe"),
-            fingerprint,
-            template,
-            _ignore_change,
-            discovery=bool(extra.get("discovery", True)),
-            identity=self.tenants.identity(label),
-        )
-        if self.kv.pool.wait_ready(float(extra.get("ready_wait_s", 10.0))):
-            log.info(
-                "kvseal linker: rank %d: %d staging blocks of %d bytes on %s registered with %s",
-                tp_rank, blocks, g.block_bytes, self.device, self.target,
-            )  # fmt: skip
-        else:
-            log.warning(
-                "kvseal linker: rank %d: pool not registered yet (%s): misses until it is",
-                tp_rank,
-                self.kv.pool.registration_error,
+        self.stats = {"lookups": 0, "hit_pages": 0, "loads": 0, "load_failures": 0,
+                      "offloads": 0, "offload_failures": 0, "skipped_pages": 0,
+                      "staging_waits_expired": 0, "offloads_deduplicated": 0}  # fmt: skip
+        staging_bytes = int(extra.get("staging_bytes", 256 << 20))
+        self.tiers: dict[str, ComponentTier] = {}
+        for c in comps:
+            self.tiers[c.name] = ComponentTier(
+                c,
+                client=self.client,
+                target=self.target,
+                tag=tag,
+                model=model_path,
+                revision=getattr(server_args, "revision", None),
+                tp=(tp_rank, tp_size),
+                pp_rank=pp_rank,
+                # the staging is shared out by block bytes, each component at least one block
+                staging_bytes=staging_bytes
+                * c.geometry.block_bytes
+                // sum(x.geometry.block_bytes for x in comps),
+                discovery=bool(extra.get("discovery", True)),
+                identity=self.tenants.identity(
+                    label if c.name == pools.KV else f"{label}/{c.name}"
+                ),
+                stats=self.stats,
             )
+        kvt = self.tiers[pools.KV]
+        # The KV component's parts, for the first version's callers and tests.
+        self.geometry, self.copier, self.staging = kvt.geometry, kvt.copier, kvt.staging
+        self.slots, self.kv, self.mirror = kvt.slots, kvt.kv, kvt.mirror
+        self.device = kvt.device
+        self.cuda = kvt.cuda
+        # MLA's latent on a daemon all ranks share: rank 0 alone stores it.
+        self.offload_owner = (
+            not kvt.component.rank_replicated or tp_rank == 0 or "{rank}" in sock_template
+        )
+        self.pools: dict[PoolName, object] = {PoolName.KV: kvcache}
+        if pools.SWA in self.tiers:
+            self.pools[PoolName.SWA] = kvcache.swa_kv_pool
+        if pools.MAMBA in self.tiers:
+            self.pools[PoolName.MAMBA] = params.req_to_token_pool.mamba_pool
+        ready_wait = float(extra.get("ready_wait_s", 10.0))
+        for name, tier in self.tiers.items():
+            if tier.kv.pool.wait_ready(ready_wait):
+                log.info(
+                    "kvseal linker: rank %d: %s: %d staging blocks of %d bytes on %s "
+                    "registered with %s", tp_rank, name, tier.blocks, tier.geometry.block_bytes,
+                    tier.device, self.target,
+                )  # fmt: skip
+            else:
+                log.warning(
+                    "kvseal linker: rank %d: %s pool not registered yet (%s): misses until it is",
+                    tp_rank,
+                    name,
+                    tier.kv.pool.registration_error,
+                )
         # A verified load waits on SGLang's scheduler thread: a hung daemon may
         # cost one such wait (then the pool backs off and loads fail at once).
         self._load_timeout = float(extra.get("load_timeout_s", 2.0))
-        self.layer_done_counter = LayerWiseLoadCounter(g.num_layers)
+        # Layer ids the forward may wait on: every component's layers.
+        layers = max(
+            int(getattr(kvcache, "layer_num", 0) or 0),
+            sum(tier.geometry.num_layers for tier in self.tiers.values()),
+        )
+        self.layer_done_counter = LayerWiseLoadCounter(layers)
+        if pools.MAMBA in self.tiers and hasattr(
+            params.req_to_token_pool, "register_layer_transfer_counter"
+        ):
+            # Mamba state lives in the request pool: its layer waits are wired apart.
+            params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         # rid -> tenant, set by the hooks in match_prefix (bounded, oldest out).
         self._req_tenant: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         # The tenant of the match or insert running now (scheduler thread).
         self.current_tenant = self.tenants.shared
-        self._queued: dict[str, tuple[bytes, list[bytes], Any]] = {}
+        self._queued: dict[str, tuple[bytes, list[_Job]]] = {}
         self._offq: queue.Queue[Any] = queue.Queue()
         self._loadq: queue.Queue[Any] = queue.Queue()
         self._offload_results: queue.Queue[bool] = queue.Queue()
-        self.stats = {"lookups": 0, "hit_pages": 0, "loads": 0, "load_failures": 0,
-                      "offloads": 0, "offload_failures": 0, "skipped_pages": 0,
-                      "staging_waits_expired": 0}  # fmt: skip
         self._threads = [
             threading.Thread(
                 target=self._offload_run, name=f"kvseal-offload-{tp_rank}", daemon=True
@@ -244,47 +259,79 @@ class KVSealLinker(UnifiedCacheLinker):
         if kv is None or not kv.keys:
             return []
         tenant = self._tenant_of(rid)
-        m = self.mirror
-        m.introduce(tenant)
+        for tier in self.tiers.values():
+            tier.mirror.introduce(tenant)
+        hashes = [keys.kvseal_hash(k) for k in kv.keys]
+        kvt = self.tiers[pools.KV]
         n = 0
-        for key in kv.keys:
-            h = keys.kvseal_hash(key)
-            if m.contains(tenant, h):
-                n += 1
-                continue
-            if not m.discovery.known_absent(tenant, h):
-                m.discovery.discover(tenant, h)
-            break
+        for h in hashes:
+            if not kvt.present(tenant, h):
+                break
+            n += 1
+        ok = [True] * (n + 1)
+        swa = self.tiers.get(pools.SWA)
+        if swa is not None and n:
+            # Length L needs the SWA pages of the window ending at L (SGLang
+            # loads exactly those). Discovery asks only for the longest one's.
+            w = self.swa_window_pages
+            have = [swa.mirror.contains(tenant, h) for h in hashes[:n]]
+            for i in range(max(0, n - w), n):
+                if not have[i]:
+                    swa.present(tenant, hashes[i])
+            missing = [0] * (n + 1)  # missing[i]: absent SWA pages among the first i
+            for i, present in enumerate(have):
+                missing[i + 1] = missing[i] + (not present)
+            for L in range(1, n + 1):
+                ok[L] = ok[L] and missing[L] - missing[max(0, L - w)] == 0
+        mamba = self.tiers.get(pools.MAMBA)
+        if mamba is not None and n:
+            # One state per hit, stored at a node's last page: length L needs it at L.
+            for L in range(1, n + 1):
+                ok[L] = ok[L] and mamba.mirror.contains(tenant, hashes[L - 1])
+            if not ok[n]:
+                mamba.present(tenant, hashes[n - 1])
         self.stats["lookups"] += 1
-        self.stats["hit_pages"] += n
-        # Every prefix of a contiguous run is restorable (the KV pool has no window).
-        return list(range(1, n + 1))
+        out = [L for L in range(1, n + 1) if ok[L]]
+        self.stats["hit_pages"] += out[-1] if out else 0
+        return out
 
     # ------------------------------------------------------------ load
 
+    def _jobs(self, transfers: list[PoolTransfer]) -> list[_Job] | None:
+        """(tier, hashes, device indices) per transfer with keys; None when a
+        transfer names a pool kvseal does not carry or its indices do not
+        match its keys."""
+        jobs: list[_Job] = []
+        for t in transfers:
+            if not t.keys:
+                continue
+            tier = self.tiers.get(str(getattr(t.name, "value", t.name)))
+            idx = t.device_indices
+            if tier is None or idx is None:
+                return None
+            if int(idx.numel()) != len(t.keys) * tier.geometry.ipp:
+                log.warning(
+                    "kvseal linker: %s transfer of %d pages into %d slots refused",
+                    tier.name, len(t.keys), int(idx.numel()),
+                )  # fmt: skip
+                return None
+            jobs.append((tier, [keys.kvseal_hash(k) for k in t.keys], idx))
+        return jobs if jobs and jobs[0][0].name == pools.KV else None
+
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
-        kv = _kv(transfers)
-        if kv is None or not kv.keys or kv.device_indices is None:
-            return False
-        hashes = [keys.kvseal_hash(k) for k in kv.keys]
-        idx = kv.device_indices
-        if int(idx.numel()) != len(hashes) * self.page_size:
-            log.warning(
-                "kvseal linker: load of %d pages into %d slots refused",
-                len(hashes),
-                int(idx.numel()),
-            )
+        jobs = self._jobs(transfers)
+        if jobs is None:
             return False
         tenant = self._tenant_of(rid)
         self.stats["loads"] += 1
         if self.load_mode == "verified":
-            ok = self._restore(tenant, hashes, idx)
+            ok = self._restore(tenant, jobs)
             if not ok:
                 self.stats["load_failures"] += 1
             return ok
         if rid in self._queued:
             raise RuntimeError(f"kvseal linker: a load for {rid} is already queued")
-        self._queued[rid] = (tenant, hashes, idx)
+        self._queued[rid] = (tenant, jobs)
         return True
 
     def cancel_queued_load(self, rid: str) -> bool:
@@ -319,12 +366,12 @@ class KVSealLinker(UnifiedCacheLinker):
                 try:
                     if ready is not None:
                         ready.synchronize()
-                    ok = all([self._restore(t, hs, idx) for t, hs, idx in loads])
+                    ok = all([self._restore(tenant, jobs) for tenant, jobs in loads])
                 except Exception:  # a bug here must fail the batch, not hang it
                     log.exception("kvseal linker: load batch failed")
                     ok = False
                 if ok:
-                    for layer in range(self.geometry.num_layers):
+                    for layer in range(self.layer_done_counter.num_layers):
                         self.layer_done_counter.complete(index, layer)
                 else:
                     self.stats["load_failures"] += 1
@@ -332,63 +379,31 @@ class KVSealLinker(UnifiedCacheLinker):
             finally:
                 self._loadq.task_done()
 
-    def _restore(self, tenant: bytes, hashes: list[bytes], idx: Any) -> bool:
-        """Restore ``hashes`` into SGLang's pages ``idx`` through staging, in
-        chunks of the free staging blocks. True: every page holds its verified
-        block. False: a chunk failed; pages of earlier chunks hold verified
-        blocks, the failed chunk's pages were not written, and the request
-        recomputes all of them (its slots are private to it)."""
-        ps = self.page_size
-        pos = 0
-        # One deadline for the whole load, staging waits included: an offload
-        # may hold every block for a whole offload RPC, and a verified load
-        # waits on SGLang's scheduler thread (async: on the load thread, bounded
-        # like an RPC so a batch is not held forever either).
+    def _restore(self, tenant: bytes, jobs: list[_Job]) -> bool:
+        """Every component's pages of one load, under one deadline: the
+        verified load's ``load_timeout_s`` (SGLang's scheduler thread waits),
+        or an async load's transfer timeout (a batch is not held forever
+        either). False as soon as one component's restore fails: the pages
+        are the request's private slots, SGLang frees them and recomputes."""
         verified = self.load_mode == "verified"
         budget = self._load_timeout if verified else self.client.config.transfer_timeout_s
         deadline = time.monotonic() + budget
-        while pos < len(hashes):
-            slots = self.slots.take(len(hashes) - pos, max(0.0, deadline - time.monotonic()))
-            if not slots:
-                self.stats["staging_waits_expired"] += 1
-                return False
-            n = len(slots)
-            try:
-                left = deadline - time.monotonic()
-                if left <= 0:  # spent waiting for staging: nothing was asked of the daemon
-                    self.stats["staging_waits_expired"] += 1
-                    return False
-                ok = self.kv.restore(
-                    tenant,
-                    hashes[pos : pos + n],
-                    slots,
-                    event=self.kv.engine_event(),
-                    timeout=left,
-                )
-                if not ok:
-                    self.mirror.forget(tenant, hashes[pos:])
-                    return False
-                st = torch.tensor(slots, dtype=torch.int64, device=self.device)
-                self.copier.scatter(self.staging, st, idx[pos * ps : (pos + n) * ps])
-                if self.cuda:  # the blocks are free again only once the copy read them
-                    torch.cuda.current_stream(self.device).synchronize()
-            finally:
-                self.slots.give(slots)
-            pos += n
-        return True
+        return all(tier.restore(tenant, hashes, idx, deadline) for tier, hashes, idx in jobs)
 
     # ------------------------------------------------------------ offload
 
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
-        kv = _kv(transfers)
-        if kv is None or not kv.keys or kv.device_indices is None:
+        jobs = self._jobs(transfers)
+        if jobs is None:
             return False
-        hashes = [keys.kvseal_hash(k) for k in kv.keys]
-        idx = kv.device_indices
-        if int(idx.numel()) != len(hashes) * self.page_size:
-            return False
+        if not self.offload_owner:
+            # MLA on a shared daemon: rank 0 stores the latent every rank has.
+            self.stats["offloads_deduplicated"] += 1
+            self._offload_results.put(True)
+            return True
         events = self.record_offload_ready() if self.cuda else []
-        self._offq.put((self.current_tenant, hashes, idx.clone(), events, time.monotonic()))
+        copied = [(tier, hashes, idx.clone()) for tier, hashes, idx in jobs]
+        self._offq.put((self.current_tenant, copied, events, time.monotonic()))
         return True
 
     def _offload_run(self) -> None:
@@ -407,43 +422,10 @@ class KVSealLinker(UnifiedCacheLinker):
             finally:
                 self._offq.task_done()
 
-    def _store(
-        self, tenant: bytes, hashes: list[bytes], idx: Any, events: list[Any], since: float
-    ) -> bool:
+    def _store(self, tenant: bytes, jobs: list[_Job], events: list[Any], since: float) -> bool:
         for ev in events:
             ev.synchronize()
-        m = self.mirror
-        held = [i for i, h in enumerate(hashes) if m.contains(tenant, h)]
-        if held:
-            self.stats["skipped_pages"] += len(held)
-            m.touch(tenant, [hashes[i] for i in held])
-            if len(held) == len(hashes):
-                return True
-            keep = sorted(set(range(len(hashes))) - set(held))
-            ps = self.page_size
-            hashes = [hashes[i] for i in keep]
-            pos = torch.tensor([i * ps + j for i in keep for j in range(ps)], dtype=torch.int64)
-            idx = idx.index_select(0, pos.to(idx.device))
-        ps = self.page_size
-        done = 0
-        while done < len(hashes):
-            slots = self.slots.take(min(len(hashes) - done, self._offload_chunk))
-            if not slots:
-                return False
-            n = len(slots)
-            try:
-                st = torch.tensor(slots, dtype=torch.int64, device=self.device)
-                self.copier.gather(idx[done * ps : (done + n) * ps], self.staging, st)
-                ok = self.kv.offload(
-                    tenant, hashes[done : done + n], slots, event=self.kv.engine_event()
-                )
-            finally:
-                self.slots.give(slots)
-            if not ok:
-                return False
-            m.stored(tenant, hashes[done : done + n], since)
-            done += n
-        return True
+        return all(tier.store(tenant, hashes, idx, since) for tier, hashes, idx in jobs)
 
     def num_completed_offloads(self) -> int:
         return self._offload_results.qsize()
@@ -473,11 +455,13 @@ class KVSealLinker(UnifiedCacheLinker):
         self._loadq.put(None)
         for t in self._threads:
             t.join(timeout=30)
-        self.slots.close()
-        self.mirror.close()
-        self.kv.close()
+        for tier in self.tiers.values():
+            tier.close()
         self.client.close()
         log.info("kvseal linker stats: %s", self.stats)
+
+
+_Job = tuple[ComponentTier, list[bytes], Any]
 
 
 def _kv(transfers: list[PoolTransfer]) -> PoolTransfer | None:
@@ -494,7 +478,3 @@ def _tp(params: Any) -> tuple[int, int]:
             group=group
         )
     return 0, 1
-
-
-def _ignore_change(rank: int, tenant: bytes, h: bytes, present: bool) -> None:
-    """The mirror's change callback: the linker reads the mirror directly."""
