@@ -8,7 +8,9 @@
 # Workloads: llmd, conv, conv-salted (a cache_salt per tenant, 1 to one per
 # conversation) and fits; ARGS="--workloads conv-salted" runs a subset.
 #
-#   make bench-serving ARGS=--quick   one short point per workload (about 8 minutes on 2 cores)
+#   make bench-serving ARGS=--quick   one short point per workload, 30 requests per arm: the
+#                                     smoke of tests_vllm/test_serving_smoke.py (7 minutes on
+#                                     this machine's 2 cores at load 7-18; the test allows 25)
 #   make bench-serving                the sweep of docs/serving.md (about 50 minutes on 2 cores)
 #   make serving-report               docs/serving.md tables and docs/serving-*.png from
 #                                     docs/serving-results.json (SERVING_RESULTS=... for another)

@@ -409,6 +409,15 @@ class Arm:
     def tail(self) -> str:
         return (self.work / "serve.log").read_text(errors="replace")[-4000:]
 
+    def check_alive(self) -> None:
+        """RuntimeError naming the exit status (-9: killed, e.g. by the OOM killer on
+        a crowded machine) and the log's tail if the server has exited: failed
+        requests would otherwise be all the bench says."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(
+                f"{self.name}: the server exited (status {self.proc.returncode}): {self.tail()}"
+            )
+
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system, s) used so far by the engine (every process
         of the server's session: API server, engine core, worker) and by the
@@ -440,16 +449,51 @@ class Arm:
             return {}
         return self.daemon.stats()
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """SIGTERM to the server's whole session (API server, engine core, workers),
+        without waiting: ``stop_arms`` signals every arm before it waits on any."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        """Stop the server's whole session (the engine core and workers may
+        outlive the API server) within 30 s, then SIGKILL what is left; then
+        the daemon."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.terminate()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and (
+                self.proc.poll() is None or session_pids(self.proc.pid)
+            ):
+                time.sleep(0.2)
+            if self.proc.poll() is None or session_pids(self.proc.pid):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
         if self.daemon is not None:
             self.daemon.stop()
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            st = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        f = st[st.rindex(")") + 2 :].split()
+        if f[0] != "Z" and int(f[3]) == sid:
+            out.append(int(d))
+    return out
 
 
 def make_arm(name: str, model: Path, work: Path) -> Arm:
@@ -555,15 +599,19 @@ def plan(quick: bool) -> dict[str, Any]:
                  "passes": 4, "rate": 32.0},
     }  # fmt: skip
     if quick:
-        p["llmd"].update(rates=[4.0], groups=6, per_group=2, passes=1)
-        p["conv"].update(convs=4, turns=3, gaps=[1.0], concurrency=2, rounds=1)
-        p["fits"].update(per_group=3, passes=1)
+        # A smoke (tests_vllm/test_serving_smoke.py), not a measurement: as few
+        # requests as still exercise every path, 30 per arm, so that it passes on a
+        # loaded 2-core machine.
+        p["llmd"].update(rates=[4.0], groups=4, per_group=2, passes=1)
+        p["conv"].update(convs=3, turns=2, gaps=[1.0], concurrency=2, rounds=1)
+        p["fits"].update(per_group=2, passes=1)
         # One salted point, one salt per conversation (the CC default); with
         # 512 tokens of their own the six conversations' first turns alone
-        # (6 x 26 blocks) outgrow the engine's 128, so returning turns come
-        # from the tier even in this short point.
+        # (6 x 26 blocks) outgrow the engine's 128, and all six are sent before
+        # any second turn, so the second turns come from the tier even in this
+        # short point.
         p["conv-salted"].update(
-            convs=6, turns=3, sys=512, gap=1.0, tenants=[6], concurrency=2, rounds=1
+            convs=6, turns=2, sys=512, gap=1.0, tenants=[6], concurrency=2, rounds=1
         )
     return p
 
@@ -652,6 +700,7 @@ def workload_points(pl: dict[str, Any]) -> list[tuple[str, str, float, Any]]:
 def measure(arm: Arm, fn: Any) -> dict[str, Any]:
     """Run one point, ``fn(client)``, on an arm: its summary from the engine's
     and the daemon's counters before and after, and the CPU time it took."""
+    arm.check_alive()
     m0, s0, c0 = arm.client.metrics(), arm.stats(), arm.cpu_seconds()
     results, wall = fn(arm.client)
     time.sleep(1.0)  # asynchronous offloads land before the counters are read
@@ -688,6 +737,7 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
         for k in range(1 if pl.get("quick") else 3):
             for arm in arms:
                 rounds[arm.name].append(per_token_costs(arm, 99 - k))
+                arm.check_alive()
         for arm in arms:
             rs = rounds[arm.name]
             r = res["arms"][arm.name]
@@ -708,8 +758,36 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
             r["probe_after"] = arm.client.complete(text(PROBE), 16, stream=False).text
             r["stats_total"] = arm.stats()
     finally:
-        for arm in arms:
-            arm.stop()
+        stop_arms(arms)
+
+
+def stop_on_signals() -> None:
+    """Make SIGTERM, SIGINT and SIGHUP end the bench through SystemExit, so that
+    the ``finally`` of whatever runs stops every server and daemon it started: each
+    runs in a session of its own, which a signal to the bench's process group never
+    reaches (a test that times out, a CI job cancelled, a closed terminal)."""
+
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def handler(signum: int, _frame: Any) -> None:
+        # Once: a second signal must not cut the cleanup short (whoever sent it
+        # can still SIGKILL the bench, and then sweep what it started).
+        for s in sigs:
+            signal.signal(s, signal.SIG_IGN)
+        log(f"signal {signum}: stopping every server and daemon")
+        raise SystemExit(128 + signum)
+
+    for s in sigs:
+        signal.signal(s, handler)
+
+
+def stop_arms(arms: list[Arm]) -> None:
+    """Stop every arm, signalling every server before waiting for any, so a
+    loaded machine waits for the slowest, not for the sum."""
+    for arm in arms:
+        arm.terminate()
+    for arm in arms:
+        arm.stop()
 
 
 def prepare(work_arg: str, out_arg: str | None) -> tuple[Path, Path, Path]:
@@ -731,6 +809,7 @@ def main() -> None:
     ap.add_argument("--work", default=str(ROOT / "build" / "bench-serving"))
     ap.add_argument("--out", default=None, help="results JSON (default: WORK/results.json)")
     args = ap.parse_args()
+    stop_on_signals()
     work, out, model = prepare(args.work, args.out)
     pl = plan(args.quick)
     if args.rates:

@@ -65,6 +65,7 @@ from bench.serving.run import (  # noqa: E402
     measure,
     prepare,
     run_poisson,
+    stop_on_signals,
     text,
 )
 
@@ -396,6 +397,7 @@ def main() -> None:
         if args.png:
             plot(done, args.png)
         return
+    stop_on_signals()
     work, out, model = prepare(args.work, args.out)
     pl = plan(args.quick)
     if args.reps:
