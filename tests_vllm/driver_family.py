@@ -59,11 +59,12 @@ def main() -> None:
     ap.add_argument("--phases", default="main,salt,tamper")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests_vllm.daemon import Daemon
-    from tests_vllm.families import FAMILIES
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+
+    from tests_vllm.daemon import Daemon
+    from tests_vllm.families import FAMILIES
 
     workdir = Path(args.workdir)
     stats_path = workdir / "kvseal-stats"
