@@ -390,6 +390,30 @@ def test_rollback_of_a_dropped_tenants_marker(make_store: MakeStore) -> None:
     assert late.get(NS, T1, h("x")) is None, "the new rotation reaches the late replica too"
 
 
+def test_concurrent_drops_converge_on_one_epoch(make_store: MakeStore) -> None:
+    """Two replicas dropping at once can leave the marker of one and the floor
+    of the other (their renames interleaved): whoever reads that rotates once
+    more, and every replica then adopts that epoch (its lineage lists both)."""
+    a, b = make_store(), make_store()
+    a.put(NS, T1, h("x"), kv("x"))
+    marker, floor = Path(a.scope_path(NS, T1)), Path(a.floor_path(NS, T1))
+    read_by_both = marker.read_bytes(), floor.read_bytes()
+    a.delete_tenant(NS, T1)
+    floor_a = floor.read_bytes()
+    marker.write_bytes(read_by_both[0])  # b read the same records as a did...
+    floor.write_bytes(read_by_both[1])
+    b.delete_tenant(NS, T1)
+    floor.write_bytes(floor_a)  # ...and a's floor landed after b's marker
+    assert b.get(NS, T1, h("x")) is None  # b meets the mismatch: one more rotation
+    assert b.stats().scope_rollbacks == 1
+    b.put(NS, T1, h("y"), kv("y"))
+    c = make_store()
+    for s in (a, b, c):
+        assert s.get(NS, T1, h("y")) == kv("y"), "one epoch for every replica"
+        assert s.get(NS, T1, h("x")) is None, "never the pre-drop block"
+    assert a.stats().scope_rollbacks == 0 and c.stats().scope_rollbacks == 0
+
+
 # ---------------------------------------------------------------- capacity
 
 
