@@ -264,8 +264,9 @@ env_facts() {
     else
         echo "/dev/shm: unknown (absent: --host-region files and the preflight use the temp dir)"
     fi
-    # 75 s: a fresh machine's first `import torch` and CUDA initialisation are cold.
-    timeout 75 "$PY" - "$DEVICE" <<'EOF' 2>&1 || echo "python facts: unknown (exit $?)"
+    # 60 s: a fresh machine's first `import torch` and CUDA initialisation are cold
+    # (the nvidia-smi calls above take at most 30 s: 90 s for the stage).
+    timeout 60 "$PY" - "$DEVICE" <<'EOF' 2>&1 || echo "python facts: unknown (exit $?)"
 import importlib, importlib.metadata as md, platform, sys
 
 def fact(name, fn):
