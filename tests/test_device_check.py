@@ -17,6 +17,7 @@ import ast
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -487,3 +488,42 @@ def test_offset_reporter_names_the_first_differing_byte() -> None:
     bc.assert_same_bytes(want, bytearray(want))
     assert bc.first_difference(want[:100], want) == 100  # a prefix: differs at its end
     assert "got 100 bytes, want" in bc.describe_difference(want[:100], want)
+
+
+def test_device_check_over_the_fake_driver_runs_every_stage_in_order(tmp_path: Path) -> None:
+    """The whole script on this CPU over the fake libcuda (tests/gpu/fake_libcuda.c):
+    the probe finds its "GPU", NVRTC builds the kernels for it, and every later stage
+    gets its row, in the documented order; with no CUDA torch here the GPU tests skip
+    (a failed row, not a silent pass) and the preflight has no engine side (SKIPPED,
+    so is the daemon half)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    try:
+        from kvseal.server.backends.cuda import compile as kc
+
+        kc.nvrtc_version()
+    except (ImportError, RuntimeError) as e:
+        pytest.skip(f"NVRTC unavailable: {e}")
+    lib = tmp_path / "fakecuda"
+    lib.mkdir()
+    src = ROOT / "tests" / "gpu" / "fake_libcuda.c"
+    subprocess.run([cc, "-O1", "-fPIC", "-shared", "-o", str(lib / "libcuda.so.1"), str(src),
+                    "-ldl"], check=True, timeout=120)  # fmt: skip
+    stages = [s for s in _stages() if s != "bench"]
+    r = _run_script(
+        tmp_path,
+        STAGES=" ".join(stages),
+        LD_LIBRARY_PATH=f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+        KVSEAL_CACHE_DIR=str(tmp_path / "cache"),
+        DEVICE_CHECK_BUDGET="240",
+    )
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| ([^|]+) \|", summary, re.M)[1:]  # past the header
+    assert [name for name, _ in rows] == stages, summary + r.stderr[-2000:]
+    got = {name: result.strip() for name, result in rows}
+    assert got["probe"] == "ok" and "Fake H200" in summary, summary
+    assert got["deps"] == "ok" and got["nvrtc"] == "ok", summary
+    assert got["inprocess"] == "NO GPU TESTS RAN", summary
+    assert got["preflight"] == got["daemon"] == "SKIPPED", summary
+    assert r.returncode == 1, summary
