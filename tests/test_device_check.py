@@ -490,12 +490,9 @@ def test_offset_reporter_names_the_first_differing_byte() -> None:
     assert "got 100 bytes, want" in bc.describe_difference(want[:100], want)
 
 
-def test_device_check_over_the_fake_driver_runs_every_stage_in_order(tmp_path: Path) -> None:
-    """The whole script on this CPU over the fake libcuda (tests/gpu/fake_libcuda.c):
-    the probe finds its "GPU", NVRTC builds the kernels for it, and every later stage
-    gets its row, in the documented order; with no CUDA torch here the GPU tests skip
-    (a failed row, not a silent pass) and the preflight has no engine side (SKIPPED,
-    so is the daemon half)."""
+def _fake_libcuda(tmp_path: Path) -> Path:
+    """A directory holding tests/gpu/fake_libcuda.c built as libcuda.so.1 (skips
+    without a C compiler or NVRTC)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler for the fake libcuda")
@@ -510,6 +507,39 @@ def test_device_check_over_the_fake_driver_runs_every_stage_in_order(tmp_path: P
     src = ROOT / "tests" / "gpu" / "fake_libcuda.c"
     subprocess.run([cc, "-O1", "-fPIC", "-shared", "-o", str(lib / "libcuda.so.1"), str(src),
                     "-ldl"], check=True, timeout=120)  # fmt: skip
+    return lib
+
+
+def test_ipc_preflight_makes_the_daemons_mapping_calls(tmp_path: Path) -> None:
+    """The preflight's daemon side, over the fake driver, asks which GPU holds the
+    mapping and for its address range right after opening it, as the daemon does
+    (a pass must mean the daemon can map); a step not reached fails the verdict."""
+    lib = _fake_libcuda(tmp_path)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+           "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in ("", "client", "server"))}  # fmt: skip
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "fake_driver_run.py"),
+                        "preflight"], env=env, capture_output=True, text=True, timeout=120,
+                       check=False)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = re.findall(r"^preflight: ([\w-]+): (OK|FAILED|DEFECT)", r.stdout, re.M)
+    names = [n for n, _ in steps]
+    want = ["ipc-mem-open", "ipc-mem-ordinal", "ipc-mem-range", "ipc-mem-read"]
+    assert [n for n in names if n in want] == want, r.stdout
+    assert all(v == "OK" for _, v in steps), r.stdout
+    assert "(GPU 0)" in r.stdout and "mapping at its base + 0" in r.stdout, r.stdout
+    pf = _load(ROOT / "scripts" / "ipc_preflight.py", "ipc_preflight_t")
+    out = "\n".join(ln for ln in r.stdout.splitlines() if "ipc-mem-range" not in ln)
+    verdict, rc = pf.summarize(out, 0)
+    assert rc == pf.EXIT_IPC_FAILED and "ipc-mem-range not reached" in verdict, verdict
+
+
+def test_device_check_over_the_fake_driver_runs_every_stage_in_order(tmp_path: Path) -> None:
+    """The whole script on this CPU over the fake libcuda (tests/gpu/fake_libcuda.c):
+    the probe finds its "GPU", NVRTC builds the kernels for it, and every later stage
+    gets its row, in the documented order; with no CUDA torch here the GPU tests skip
+    (a failed row, not a silent pass) and the preflight has no engine side (SKIPPED,
+    so is the daemon half)."""
+    lib = _fake_libcuda(tmp_path)
     stages = [s for s in _stages() if s != "bench"]
     r = _run_script(
         tmp_path,
