@@ -27,6 +27,8 @@ def test_gather_then_scatter_moves_exactly_the_pages(hnd: bool) -> None:
     ps = 4
     g = geometry_of(src, ps)
     assert g.block_bytes == 3 * 2 * ps * 2 * 8 * 2
+    # HND page bytes are head-major, NHD's token-major: never one namespace.
+    assert g.layout == ("sglang-page:v1/hnd" if hnd else "sglang-page:v1")
     staging = torch.zeros((5, g.block_bytes), dtype=torch.uint8)
     tok = torch.tensor([p * ps + j for p in (4, 1) for j in range(ps)])  # pages 4 then 1
     slots = torch.tensor([3, 0])
