@@ -179,10 +179,14 @@ verdict() {
 }
 
 # pytest_verdict NAME LOG [NOTES]: like verdict, with pytest's own counts and its exit 5.
+# The first failure's one-line reason goes into the notes too (-rfE prints it: for a
+# byte comparison, its first differing offset), with "|" made harmless for the table.
 pytest_verdict() {
-    local name=$1 log=$2 extra=${3:-} counts
+    local name=$1 log=$2 extra=${3:-} counts first
     counts=$(grep -E '(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s' \
         "$LOGS/$log.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+    first=$(grep -m1 -E '^(FAILED|ERROR) ' "$LOGS/$log.log" | cut -c1-300 | tr '|' '/')
+    [ -n "$first" ] && extra="first: $first${extra:+; $extra}"
     if [ "$RC" -eq 5 ]; then
         local why
         why=$(grep -m1 -E '^SKIPPED' "$LOGS/$log.log" | cut -c1-160)
@@ -479,9 +483,10 @@ fi
 # -q, not -v: a failing comparison of 4 MiB byte strings is one line (bytes_check),
 # and pytest -v would diff them for minutes; pytest-timeout (60 s a test) names a
 # test that hangs with its stack; faulthandler: Python stacks of a test stuck in a
-# driver call (where pytest-timeout's signal cannot interrupt it).
-GPU_PYTEST=("$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider -o timeout=60
-    -o faulthandler_timeout=50 -m gpu)
+# driver call (where pytest-timeout's signal cannot interrupt it). COLUMNS: the short
+# summary's FAILED lines keep their whole one-line reason (the offset), not 80 columns.
+GPU_PYTEST=(env COLUMNS=400 "$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider
+    -o timeout=60 -o faulthandler_timeout=50 -m gpu)
 # The in-process half first: GPU bytes against cryptography's AESGCM (a symmetric AES
 # bug would pass the daemon's round trip, which only opens what the GPU sealed).
 if selected inprocess; then
