@@ -451,8 +451,9 @@ class Arm:
 
     def terminate(self) -> None:
         """SIGTERM to the server's whole session (API server, engine core, workers),
-        without waiting: ``stop_arms`` signals every arm before it waits on any."""
-        if self.proc is not None and self.proc.poll() is None:
+        without waiting: ``stop_arms`` signals every arm before it waits on any. Also
+        after the API server itself died: its engine core and workers may not have."""
+        if self.proc is not None and (self.proc.poll() is None or session_pids(self.proc.pid)):
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -463,8 +464,7 @@ class Arm:
         outlive the API server) within 30 s, then SIGKILL what is left; then
         the daemon."""
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.terminate()
+            self.terminate()
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and (
                 self.proc.poll() is None or session_pids(self.proc.pid)
