@@ -50,7 +50,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("baseline", "kvseal"), required=True)
+    ap.add_argument("--mode", choices=("baseline", "kvseal", "anchor"), required=True)
     ap.add_argument("--family", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--workdir", required=True)
@@ -80,6 +80,21 @@ def main() -> None:
             kv_connector_extra_config={
                 "kvseal_socket": daemon.socket,
                 "kvseal_stats_path": str(stats_path),
+            },
+        )
+    if args.mode == "anchor":
+        # vLLM's own CPU offloading manager with plain copies (bench/serving/anchor.py):
+        # what vLLM's plaintext offload does with the same groups and workload.
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
+        )
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "PlainOffloadingSpec",
+                "spec_module_path": "bench.serving.anchor",
+                "cpu_bytes_to_use": 64 << 20,
             },
         )
     res: dict[str, Any] = {"mode": args.mode, "family": args.family, "phases": {}}

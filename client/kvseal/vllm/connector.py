@@ -155,6 +155,12 @@ class KVSealOffloadingConnector(OffloadingConnector):
                 req_id = jobs.get(job_id)
                 if req_id is not None:
                     res.failed_recving.add(req_id)
+                log.info(
+                    "kvseal: restore job %d (request %s) failed in part: vLLM recomputes "
+                    "the request",
+                    job_id,
+                    req_id,
+                )
         return res
 
     def get_block_ids_with_load_errors(self) -> set[int]:
