@@ -24,8 +24,11 @@ namespace, so a block offered as another component's (or another layer
 kind's) fails verification like any other swap.
 
 Refused at start-up, with the reason (:func:`components` raises ValueError):
-what SGLang's tree refuses itself (DeepSeek-V4's compressed C4/C128 groups),
-pools whose bytes are not one run per page (ROCm's ``vectorized_5d``), Mamba
+components SGLang's linker wrapper refuses itself (C128, auxiliary SWA);
+DeepSeek-V4's pools (compressed C4/C128 KV, indexer and compress-state pools
+riding the KV and SWA indices: SGLang's own direct linkers carry them, kvseal
+does not yet); pools whose bytes are not one run per page (ROCm's
+``vectorized_5d``), Mamba
 side states SGLang's own direct-linker assembler refuses too (int8
 checkpoints, short-conv and n-gram states, ReplaySSM rings), and draft KV
 pools of speculative decoding.
@@ -233,8 +236,8 @@ def components(kvcache: Any, params: Any, kinds: set[str], page_size: int) -> li
     kind = type(kvcache).__name__
     if kind.startswith("DeepSeekV4") or hasattr(kvcache, "c4_kv_pool"):
         raise ValueError(
-            "DeepSeek-V4's compressed KV pools (C4/C128 groups and their compress "
-            "states) are not carried by kvseal"
+            "DeepSeek-V4's pools (compressed C4/C128 KV, indexer and compress-state "
+            "pools riding the KV and SWA indices) are not carried by kvseal yet"
         )
     drafts = [
         p
