@@ -1,8 +1,10 @@
 """A real vLLM engine restored from the store after its daemon restarted
 (issue 22, end to end): the engine of test_vllm_e2e.py (driver.Engine: CPU
-platform, tiny local Llama, greedy) with kvseal's connector and
-``kvseal_lookup_discovery`` on, against real daemons with a store tier
-(``--store-dir``, ``--store-key file:``) on one directory.
+platform, tiny local Llama, greedy) with kvseal's connector configured as
+docs/store.md documents it (the one line, no ``kvseal_lookup_discovery``:
+discovery follows from the daemon having a store, issue 28), against real
+daemons with a store tier (``--store-dir``, ``--store-key file:``) on one
+directory.
 
 One driver process (this file run as a script; vLLM spawns processes) runs
 four engines in turn on the same prompts (two tenants, each with three
@@ -66,7 +68,7 @@ class _Part:
         self.daemon, self.port = daemon, metrics_port
         kv_bytes = KV_BLOCKS * BLOCK * 2 * 2 * 2 * 32 * 2  # as driver.py sizes it
         sock = daemon.socket if daemon else None
-        extra = {"kvseal_lookup_discovery": True}
+        extra: dict[str, Any] = {}  # the documented line: discovery follows from the store
         zmq_port = free_port()
         # vLLM's KV events (ZMQ), as llm-d's indexer receives them.
         self.sub = Subscriber(zmq_port) if daemon is not None else None
