@@ -9,7 +9,7 @@
 # conversation) and fits; ARGS="--workloads conv-salted" runs a subset.
 #
 #   make bench-serving ARGS=--quick   one short point per workload, 30 requests per arm: the
-#                                     smoke of tests_vllm/test_serving_smoke.py (7 minutes on
+#                                     smoke of tests_vllm/test_serving_smoke.py (5-7 minutes on
 #                                     this machine's 2 cores at load 7-18; the test allows 25)
 #   make bench-serving                the sweep of docs/serving.md (about 50 minutes on 2 cores)
 #   make serving-report               docs/serving.md tables and docs/serving-*.png from
