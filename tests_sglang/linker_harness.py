@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
@@ -81,10 +81,45 @@ def kv(keys: list[str], pages: list[int] | None = None) -> PoolTransfer:
     )
 
 
-def trailing(name: PoolName, keys: list[str], indices: torch.Tensor | None) -> PoolTransfer:
-    return PoolTransfer(
-        name=name, keys=list(keys), device_indices=indices, hit_policy=PoolHitPolicy.TRAILING_PAGES
-    )
+def components(cache: Any, kinds: list[Any], *, swa_window: int = 0) -> list[Any]:
+    """SGLang's own tree components (``FullComponent``, ``SWAComponent``,
+    ``MambaComponent``) over ``cache`` (the attributes their linker-transfer
+    builders read: page size, allocators), without a radix tree: the tests
+    get the transfers exactly as ``UnifiedCacheLinkerWrapper`` does."""
+    from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+    from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
+
+    out = []
+    for kind in kinds:
+        cls: Any = {
+            ComponentType.FULL: FullComponent,
+            ComponentType.SWA: SWAComponent,
+            ComponentType.MAMBA: MambaComponent,
+        }[kind]
+        c = object.__new__(cls)
+        c.cache = cache
+        c.component_type = kind
+        if kind == ComponentType.SWA:
+            c.sliding_window_size = swa_window
+        out.append(c)
+    return out
+
+
+def build(
+    comps: list[Any], phase: str, keys: list[str] | None = None, node: Any = None
+) -> list[Any]:
+    """Each component's transfer for ``phase`` (``LOOKUP``, ``LOAD``,
+    ``OFFLOAD``) as the wrapper builds them (an offload skips a component
+    with nothing to store, as the tree core does)."""
+    from sglang.srt.mem_cache.unified_cache.components import LinkerTransferPhase
+
+    ph = LinkerTransferPhase[phase]
+    out = [c.build_external_linker_transfer(ph, node, keys) for c in comps]
+    if ph == LinkerTransferPhase.OFFLOAD:
+        return [t for t in out if t is not None]
+    assert all(t is not None for t in out), out
+    return out
 
 
 def offload_and_wait(linker: Any, transfers: list[PoolTransfer], timeout: float = 60.0) -> bool:

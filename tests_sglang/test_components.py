@@ -18,6 +18,9 @@ import torch
 from kvseal.sglang import keys, pools
 from kvseal.sglang.layout import byte_rows
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.memory_pool import (
     HybridLinearKVPool,
@@ -32,12 +35,12 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from tests_sglang.linker_harness import (
     PAGE,
+    build,
+    components,
     kv,
     make_linker,
     offload_and_wait,
     page_keys,
-    slots,
-    trailing,
 )
 from tests_vllm.daemon import Daemon
 
@@ -129,16 +132,34 @@ def test_quantized_pools_carry_their_scales(daemon: Daemon, kind: str) -> None:
         linker.close()
 
 
+def _same(tensors: list[Any], src: Any, dst: Any) -> bool:
+    """The rows ``src`` and ``dst`` (device indices) of every tensor hold the same bytes."""
+    return all(
+        torch.equal(byte_rows(t).index_select(0, src), byte_rows(t).index_select(0, dst))
+        for t in tensors
+    )
+
+
 def test_swa_window_lookup_load_and_a_tampered_swa_block(daemon: Daemon) -> None:
     """A hybrid SWA pool (1 full layer, 3 sliding-window layers, window 32
-    tokens = 2 pages): two kvseal pools of their own sizes. A length is
-    restorable only with the SWA pages of the window ending there; a load
-    restores both; a tampered SWA block fails the load (recompute) although
-    the KV pages verified."""
+    tokens = 2 pages), its transfers built by SGLang's own Full and SWA
+    components over its real allocator: two kvseal pools of their own sizes.
+    A length is restorable only with the SWA pages of the window ending
+    there; a load restores both; a tampered SWA block fails the load
+    (recompute) although the KV pages verified."""
     pool = SWAKVPool(
         size=256, size_swa=128, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=8,
         swa_attention_layer_ids=[0, 1, 2], full_attention_layer_ids=[3], device="cpu",
     )  # fmt: skip
+    alloc = SWATokenToKVPoolAllocator(
+        size=256, size_swa=128, page_size=PAGE, dtype=torch.bfloat16, device="cpu",
+        kvcache=pool, need_sort=False,
+    )  # fmt: skip
+    cache = SimpleNamespace(
+        page_size=PAGE, token_to_kv_pool_allocator=alloc, is_swa_enabled=True,
+        evict=lambda params: None,
+    )  # fmt: skip
+    comps = components(cache, [FULL, SWA], swa_window=32)
     full = [*pool.full_kv_pool.k_buffer, *pool.full_kv_pool.v_buffer]
     swa = [*pool.swa_kv_pool.k_buffer, *pool.swa_kv_pool.v_buffer]
     _fill(full + swa, 3)
@@ -150,24 +171,34 @@ def test_swa_window_lookup_load_and_a_tampered_swa_block(daemon: Daemon) -> None
         assert swt.geometry.block_bytes == 3 * 2 * PAGE * 2 * 8 * 2  # 3 window layers
         assert kvt.fingerprint != swt.fingerprint
         k = page_keys(30, 4)
-        # A node whose SWA value kept only its last 2 pages.
-        idx = slots([1, 2])
-        assert offload_and_wait(linker, [kv(k, [1, 2, 3, 4]), trailing(PoolName.SWA, k[2:], idx)])
+        # A node of 4 pages whose SWA value kept only its last 2 pages.
+        node = SimpleNamespace(
+            hash_value=k,
+            component_data={
+                FULL: SimpleNamespace(value=alloc.full_attn_allocator.alloc(4 * PAGE)),
+                SWA: SimpleNamespace(value=alloc.swa_attn_allocator.alloc(2 * PAGE)),
+            },
+        )
+        off = build(comps, "OFFLOAD", node=node)
+        assert [t.name for t in off] == [PoolName.KV, PoolName.SWA] and off[1].keys == k[2:]
+        assert offload_and_wait(linker, off)
         # L=4 has its window (pages 2, 3); shorter lengths lack SWA pages.
-        assert linker.lookup("r", [kv(k), trailing(PoolName.SWA, k[2:], None)]) == [4]
-        assert linker.load("r", [kv(k, [5, 6, 7, 8]), trailing(PoolName.SWA, k[2:], slots([5, 6]))])
-        assert _same_pages(full, [1, 2, 3, 4], [5, 6, 7, 8])
-        assert _same_pages(swa, [1, 2], [5, 6])
+        assert linker.lookup("r", build(comps, "LOOKUP", k)) == [4]
+        load = build(comps, "LOAD", k)  # SGLang's allocators give the slots
+        assert linker.load("r", load)
+        assert _same(full, node.component_data[FULL].value, load[0].device_indices)
+        assert _same(swa, node.component_data[SWA].value, load[1].device_indices)
 
         # One component's block fails: SWA sealed, the host flips it, then KV sealed.
         j = page_keys(31, 2)
         tenant = linker.tenants.shared
-        assert swt.store(tenant, [keys.kvseal_hash(x) for x in j], slots([3, 4]), time.monotonic())
+        hs = [keys.kvseal_hash(x) for x in j]
+        assert swt.store(tenant, hs, alloc.swa_attn_allocator.alloc(2 * PAGE), time.monotonic())
         before = daemon.stats()["integrity_failures"]
         assert daemon.tamper() > 0
         assert offload_and_wait(linker, [kv(j, [9, 10])])
-        assert linker.lookup("r2", [kv(j)]) == [1, 2]
-        assert not linker.load("r2", [kv(j, [11, 12]), trailing(PoolName.SWA, j, slots([7, 8]))])
+        assert linker.lookup("r2", build(comps, "LOOKUP", j)) == [1, 2]
+        assert not linker.load("r2", build(comps, "LOAD", j))
         assert daemon.stats()["integrity_failures"] > before
         assert linker.stats["load_failures"] == 1
     finally:
@@ -188,47 +219,66 @@ def _mamba_pools() -> tuple[Any, Any]:
         full_attention_layer_ids=[1, 3], device="cpu", mamba_pool=mp,
     )  # fmt: skip
     req = SimpleNamespace(
-        mamba_pool=mp, mamba_ckpt_pool=None,
+        mamba_pool=mp, mamba_ckpt_pool=None, mamba_allocator=MambaSlotAllocator(8, "cpu"),
         short_conv_pool=SimpleNamespace(enabled=False), ngram_pool=SimpleNamespace(enabled=False),
     )  # fmt: skip
     return kvc, req
 
 
 def test_mamba_state_one_per_hit_and_a_tampered_state(daemon: Daemon) -> None:
-    """A Mamba hybrid (HybridLinearKVPool + SGLang's MambaPool): one state
-    per node, stored at its last page; a length is restorable only where a
-    state is; the state comes back byte for byte (temporal and conv, every
-    layer); a tampered state fails the load although its KV verified."""
+    """A Mamba hybrid (HybridLinearKVPool + SGLang's MambaPool), its transfers
+    built by SGLang's own Full and Mamba components: one state per node,
+    stored at its last page; a length is restorable only where a state is;
+    the state comes back byte for byte (temporal and conv, every layer); a
+    tampered state fails the load although its KV verified."""
     kvc, req = _mamba_pools()
     mp = req.mamba_pool
     states = [mp.mamba_cache.temporal, *mp.mamba_cache.conv]
     full = [*kvc.full_kv_pool.k_buffer, *kvc.full_kv_pool.v_buffer]
     _fill(states + full, 4)
+    alloc = PagedTokenToKVPoolAllocator(
+        size=256, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=kvc,
+        need_sort=False,
+    )  # fmt: skip
+    cache = SimpleNamespace(
+        page_size=PAGE, token_to_kv_pool_allocator=alloc, is_swa_enabled=False,
+        req_to_token_pool=req, evict=lambda params: None,
+    )  # fmt: skip
+    comps = components(cache, [FULL, MAMBA])
     linker = make_linker(kvc, daemon.socket, components={FULL, MAMBA}, req_to_token_pool=req)
     try:
         mt = linker.tiers["mamba"]
         per_state = sum(s[0, 0].numel() * s.element_size() for s in states)
         assert mt.geometry.block_bytes == 2 * per_state  # 2 Mamba layers, one state
         k = page_keys(40, 3)
-        st = torch.tensor([4], dtype=torch.int64)
-        assert offload_and_wait(linker, [kv(k, [1, 2, 3]), trailing(PoolName.MAMBA, k[-1:], st)])
+        node = SimpleNamespace(
+            hash_value=k,
+            component_data={
+                FULL: SimpleNamespace(value=alloc.alloc(3 * PAGE)),
+                MAMBA: SimpleNamespace(value=req.mamba_allocator.alloc(1)),
+            },
+        )
+        off = build(comps, "OFFLOAD", node=node)
+        assert off[1].name == PoolName.MAMBA and off[1].keys == k[-1:]
+        assert offload_and_wait(linker, off)
         more = [*k, *page_keys(41, 1)]
-        assert linker.lookup("r", [kv(more), trailing(PoolName.MAMBA, more[-1:], None)]) == [3]
-        to = torch.tensor([6], dtype=torch.int64)
-        assert linker.load("r", [kv(k, [5, 6, 7]), trailing(PoolName.MAMBA, k[-1:], to)])
-        assert _same_pages(full, [1, 2, 3], [5, 6, 7])
+        assert linker.lookup("r", build(comps, "LOOKUP", more)) == [3]
+        load = build(comps, "LOAD", k)
+        assert linker.load("r", load)
+        assert _same(full, node.component_data[FULL].value, load[0].device_indices)
+        src, dst = int(node.component_data[MAMBA].value[0]), int(load[1].device_indices[0])
+        assert src != dst
         for s in states:
-            assert torch.equal(s[:, 4].view(torch.uint8), s[:, 6].view(torch.uint8))
+            assert torch.equal(s[:, src].view(torch.uint8), s[:, dst].view(torch.uint8))
 
         j = page_keys(42, 2)
         tenant = linker.tenants.shared
-        assert mt.store(tenant, [keys.kvseal_hash(j[-1])], torch.tensor([2]), time.monotonic())
+        st = req.mamba_allocator.alloc(1)
+        assert mt.store(tenant, [keys.kvseal_hash(j[-1])], st, time.monotonic())
         assert daemon.tamper() > 0
         assert offload_and_wait(linker, [kv(j, [9, 10])])
-        assert linker.lookup("r2", [kv(j), trailing(PoolName.MAMBA, j[-1:], None)]) == [2]
-        assert not linker.load(
-            "r2", [kv(j, [11, 12]), trailing(PoolName.MAMBA, j[-1:], torch.tensor([7]))]
-        )
+        assert linker.lookup("r2", build(comps, "LOOKUP", j)) == [2]
+        assert not linker.load("r2", build(comps, "LOAD", j))
     finally:
         linker.close()
 
