@@ -11,14 +11,26 @@ made by kvseal.vllm's code only) with the tenants active, then once they went
 idle (their blocks dropped from the daemon, their requests finished, the
 mirror's idle sweep run).
 
-    make bench-vllm [ARGS="--blocks 4096 --rounds 5 --tenants 1,100,10000"]
+Then the scheduler's wait on the manager lock during a resync (``--resync-blocks``
+tracked, 2^19 by default: the tier events' bound), with KV events on and a
+daemon with a store tier: a thread takes the manager's lock as vLLM 0.33's
+scheduler does (a step's region, draining the events inside it) and records
+its longest wait while the mirror's thread applies, as it does for the
+daemon's stream, a gap (the tier events' reset) and then one removal event
+naming half the tracked blocks (a Drop of a tenant: the mirror's own apply,
+the manager's and the tier events'). The blocks reach the mirror as stream
+events, through the mirror's own code.
+
+    make bench-vllm [ARGS="--blocks 4096 --rounds 5 --tenants 1,100,10000 --resync-blocks 524288"]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -33,6 +45,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tenants", default="1,100,10000", help="tenant counts, one row each")
     ap.add_argument("--tenant-blocks", type=int, default=1, help="blocks stored per tenant")
+    ap.add_argument("--resync-blocks", type=int, default=1 << 19, help="0: no resync row")
     args = ap.parse_args()
     counts = [int(x) for x in args.tenants.split(",") if x]
 
@@ -149,6 +162,8 @@ def main() -> None:
             w.shutdown()
         finally:
             d.stop()
+        if args.resync_blocks:
+            resync_rows(Path(tmp), args.resync_blocks)
 
 
 def tenants_row(spec: Any, w: Any, target: str, t: int, per: int, rounds: int) -> dict[str, Any]:
@@ -241,6 +256,105 @@ def tenants_row(spec: Any, w: Any, target: str, t: int, per: int, rounds: int) -
     tracemalloc.stop()
     mgr.shutdown()
     return row
+
+
+def resync_rows(tmp: Path, n: int) -> None:
+    """The resync rows (module doc), on a daemon of their own with a store tier."""
+    from kvseal.client import tenant_digest
+    from kvseal.v1 import kvseal_pb2 as pb
+    from kvseal.vllm.spec import KVSealOffloadingManager, KVSealOffloadingSpec
+
+    from tests_vllm.daemon import Daemon
+    from tests_vllm.helpers import offloading_config, wait_for
+
+    key = tmp / "store-key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    d = Daemon(
+        tmp / "store-d",
+        extra=(
+            "--store-dir", str(tmp / "store"), "--store-key", f"file:{key}",
+            "--store-bytes", "64MiB", "--store-max-block-bytes", "1MiB",
+        ),
+    ).start()  # fmt: skip
+    try:
+        mgr = KVSealOffloadingSpec(offloading_config([d.target], 0, events=True)).get_manager()
+        assert isinstance(mgr, KVSealOffloadingManager)
+        m = mgr.mirrors[0]
+        if not wait_for(lambda: m.synced.is_set() and bool(m.store_policy), 60):
+            raise SystemExit("the mirror never subscribed to a daemon with a store")
+        tenant = tenant_digest(None)
+        hs = [i.to_bytes(4, "big") * 8 for i in range(n)]
+
+        def ev(kind: int, hashes: list[bytes]) -> pb.BlockEvent:
+            return pb.BlockEvent(
+                kind=kind, medium="storage", locality="local", tenant=tenant, block_hashes=hashes
+            )
+
+        def settle() -> None:
+            tiers = getattr(mgr, "_tiers", None) or getattr(mgr.groups[0], "tiers", None)
+            wait = getattr(tiers, "wait_idle", None)
+            if wait is not None and not wait(600):
+                raise SystemExit("the tier events never drained")
+            list(mgr.take_events())
+
+        for i in range(0, n, 4096):  # the daemon's announcements, through the mirror
+            m._set(tenant, hs[i : i + 4096], True, ev(pb.BLOCK_STORED, hs[i : i + 4096]))
+            list(mgr.take_events())
+        settle()
+
+        def worst_wait(work: Any) -> tuple[float, float, int]:
+            """The scheduler's longest wait for the lock while ``work`` runs on
+            the mirror's side, how long the work took (until the tier events'
+            queue drained) and how many times the scheduler took the lock."""
+            stop = threading.Event()
+            worst = [0.0]
+            steps = [0]
+
+            def scheduler() -> None:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    with mgr.lock:
+                        worst[0] = max(worst[0], time.perf_counter() - t0)
+                        steps[0] += 1
+                        list(mgr.take_events())  # inside the region, as vLLM 0.33 does
+                    time.sleep(0.001)
+
+            t = threading.Thread(target=scheduler, daemon=True)
+            t.start()
+            time.sleep(0.05)
+            t0 = time.perf_counter()
+            work()
+            settle()
+            took = time.perf_counter() - t0
+            stop.set()
+            t.join(10)
+            return worst[0], took, steps[0]
+
+        def gap() -> None:
+            with m._update_lock:  # the mirror's resync (a stream gap)
+                m._on_tier(m.rank, None)
+
+        half = hs[n // 2 :]
+        gap_wait, gap_took, gap_steps = worst_wait(gap)
+        for i in range(0, n, 4096):  # announced again after the gap
+            m._set(tenant, hs[i : i + 4096], True, ev(pb.BLOCK_STORED, hs[i : i + 4096]))
+        settle()
+        rm_wait, rm_took, rm_steps = worst_wait(
+            lambda: m._set(tenant, half, False, ev(pb.BLOCK_REMOVED, half))
+        )
+        print(f"scheduler's wait for the manager lock during a resync, {n} blocks tracked")
+        print(
+            f"  a gap (tier events reset)              worst wait {gap_wait * 1e3:9.1f} ms"
+            f"  (its work: {gap_took:6.2f} s; {gap_steps} lock takes)"
+        )
+        print(
+            f"  one removal event of {len(half):7d} blocks   worst wait {rm_wait * 1e3:9.1f} ms"
+            f"  (its work: {rm_took:6.2f} s; {rm_steps} lock takes)"
+        )
+        mgr.shutdown()
+    finally:
+        d.stop()
 
 
 if __name__ == "__main__":

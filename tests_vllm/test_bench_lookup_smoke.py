@@ -1,5 +1,6 @@
 """Smoke of ``make bench-vllm`` (tests_vllm/bench_lookup.py): a few blocks, one
-round, and the many-tenant rows with 1 and 20 tenants. It broke once unnoticed (the bench stored before the tenant was named,
+round, the many-tenant rows with 1 and 20 tenants, and the resync rows at 4096
+tracked blocks. It broke once unnoticed (the bench stored before the tenant was named,
 so the mirror never heard of the blocks); this keeps it running. Asserts only
 that every row was measured, never a time."""
 
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_lookup_runs() -> None:
     r = subprocess.run(
         [sys.executable, "tests_vllm/bench_lookup.py", "--blocks", "128", "--rounds", "1",
-         "--tenants", "1,20"],
+         "--tenants", "1,20", "--resync-blocks", "4096"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -31,3 +32,7 @@ def test_bench_lookup_runs() -> None:
     for t in (1, 20):
         assert f"tenants {t:6d}: hit" in r.stdout, r.stdout
         assert f"({t} -> 0 tenants remembered, {t} blocks)" in r.stdout, r.stdout
+    # The resync rows: the scheduler's worst wait was measured for both.
+    assert "during a resync, 4096 blocks tracked" in r.stdout, r.stdout
+    for row in ("a gap (tier events reset)", "one removal event of    2048 blocks"):
+        assert row in r.stdout and "worst wait" in r.stdout, r.stdout
