@@ -353,3 +353,52 @@ def test_fingerprints_bind_component_dtype_and_rank() -> None:
     rep = {**base, "kind": "mla", "layout": "sglang-mla:v1", "rank_replicated": True}
     assert keys.model_fingerprint(**rep) == keys.model_fingerprint(**{**rep, "tp_rank": 1})
     assert keys.model_fingerprint(**base) != keys.model_fingerprint(**{**base, "tp_rank": 1})
+
+
+def test_async_load_of_a_hybrid_completes_every_layer(daemon: Daemon) -> None:
+    """``load_mode: async`` with a Full and an SWA component: the load is
+    queued, restored on the load thread, and every model layer (full and
+    window layers, 4 here) completes, so the forward's layer waits all
+    return; the pages land byte for byte."""
+    pool = SWAKVPool(
+        size=256, size_swa=128, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=8,
+        swa_attention_layer_ids=[0, 1, 2], full_attention_layer_ids=[3], device="cpu",
+    )  # fmt: skip
+    alloc = SWATokenToKVPoolAllocator(
+        size=256, size_swa=128, page_size=PAGE, dtype=torch.bfloat16, device="cpu",
+        kvcache=pool, need_sort=False,
+    )  # fmt: skip
+    cache = SimpleNamespace(
+        page_size=PAGE, token_to_kv_pool_allocator=alloc, is_swa_enabled=True,
+        evict=lambda params: None,
+    )  # fmt: skip
+    comps = components(cache, [FULL, SWA], swa_window=32)
+    full = [*pool.full_kv_pool.k_buffer, *pool.full_kv_pool.v_buffer]
+    swa = [*pool.swa_kv_pool.k_buffer, *pool.swa_kv_pool.v_buffer]
+    _fill(full + swa, 5)
+    linker = make_linker(
+        pool, daemon.socket, components={FULL, SWA}, swa_window=32, load_mode="async"
+    )
+    try:
+        assert linker.layer_done_counter.num_layers == 4
+        k = page_keys(60, 2)
+        node = SimpleNamespace(
+            hash_value=k,
+            component_data={
+                FULL: SimpleNamespace(value=alloc.full_attn_allocator.alloc(2 * PAGE)),
+                SWA: SimpleNamespace(value=alloc.swa_attn_allocator.alloc(2 * PAGE)),
+            },
+        )
+        assert offload_and_wait(linker, build(comps, "OFFLOAD", node=node))
+        load = build(comps, "LOAD", k)
+        assert linker.load("r", load)
+        index = linker.start_layer_wise_loading()
+        assert index >= 0
+        linker.layer_done_counter.set_consumer(index)
+        for layer in range(4):
+            linker.layer_done_counter.wait_until(layer)
+        assert linker.finish_layer_wise_loading(index)
+        assert _same(full, node.component_data[FULL].value, load[0].device_indices)
+        assert _same(swa, node.component_data[SWA].value, load[1].device_indices)
+    finally:
+        linker.close()
