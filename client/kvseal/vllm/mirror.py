@@ -41,6 +41,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any
@@ -155,7 +156,9 @@ class DaemonMirror:
         # One set per Lookup in flight: every block the mirror hears of meanwhile
         # (its answer is older than that fact and must not override it).
         self._watches: list[set[Key]] = []
-        self._removed_at: dict[Key, float] = {}  # recent removals (TOMBSTONES)
+        # Recent removals (TOMBSTONES), oldest first. An OrderedDict: trimming a
+        # plain dict from its front rescans deleted slots (quadratic on one big event).
+        self._removed_at: OrderedDict[Key, float] = OrderedDict()
         self._stream_gen = 0  # +1 per subscription: an answer across two is re-asked
         self._stop = threading.Event()
         self._call: object | None = None
@@ -312,7 +315,7 @@ class DaemonMirror:
             del self._ready[tenant]
         rm = self._removed_at  # oldest first (a removal re-inserts its key)
         while rm and (len(rm) > TOMBSTONES or next(iter(rm.values())) < now - TOMBSTONE_S):
-            del rm[next(iter(rm))]
+            rm.popitem(last=False)
         return changed
 
     def _set(

@@ -37,7 +37,7 @@ from typing import Any
 
 from kvseal.client.config import socket_target
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm import keys
+from kvseal.vllm import keys, orphan
 from kvseal.vllm.groups import FULL, GroupLayout, describe_groups
 from kvseal.vllm.manager import (  # re-exported: the spec's public names
     CONFIG_INFO_KEYS,
@@ -144,6 +144,10 @@ class KVSealOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        # vLLM builds the spec in its engine core and in each worker: a process
+        # whose parent was killed (kill -9 of the API server alone) stops itself,
+        # so its KV object and pools do not outlive it (kvseal.vllm.orphan).
+        orphan.stop_when_orphaned()
         if self.blocks_per_chunk != 1:
             raise ValueError(
                 "kvseal needs one vLLM block per offloaded chunk "
