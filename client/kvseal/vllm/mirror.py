@@ -63,6 +63,7 @@ log = logging.getLogger("kvseal.vllm")
 TOMBSTONES = 1 << 12
 TOMBSTONE_S = 60.0
 TENANT_IDLE_S = 300.0  # unused this long, with no block and nothing to verify: forgotten
+SET_CHUNK = 1024  # blocks of one event applied per hold of the update lock
 SWEEP_S = 1.0  # how often the background thread looks for idle tenants
 
 # (rank, tenant, hash, present) -> None: called on every change, under no lock
@@ -94,7 +95,9 @@ class DaemonMirror:
     ``update_lock`` (optional, e.g. the vLLM manager's ``lock``) is held while
     one batch of changes (one event, one Lookup answer, one store report, one
     reset) is applied to the mirror and passed to ``on_change``: whoever holds
-    it sees either none or all of a batch, and no batch lands while it is held.
+    it sees either none or all of a batch (an event of more than
+    :data:`SET_CHUNK` blocks: of each chunk of it), and no batch lands while it
+    is held.
     It is never held across an RPC, and it must be reentrant if the holder
     itself calls :meth:`forget` or :meth:`stored`.
 
@@ -327,14 +330,18 @@ class DaemonMirror:
     ) -> None:
         # The update lock first (the order every thread takes them in): the
         # batch reaches the mirror and on_change as one step for its holder.
-        # ``event``: the stream's event this is (passed on to on_tier).
-        with self._update_lock:
-            with self._lock:
-                changed = self._apply_locked(tenant, hashes, present)
-            if event is not None and self._on_tier is not None:
-                self._on_tier(self.rank, event)  # first: it may still need the hashes
-            for h in changed:
-                self._on_change(self.rank, tenant, h, present)
+        # ``event``: the stream's event this is (passed on to on_tier, with the
+        # first chunk). A batch of more than SET_CHUNK blocks is applied a chunk
+        # per lock hold, so that no scheduler step waits on one large event.
+        hs = list(hashes)
+        for i in range(0, max(1, len(hs)), SET_CHUNK):
+            with self._update_lock:
+                with self._lock:
+                    changed = self._apply_locked(tenant, hs[i : i + SET_CHUNK], present)
+                if i == 0 and event is not None and self._on_tier is not None:
+                    self._on_tier(self.rank, event)  # first: it may still need the hashes
+                for h in changed:
+                    self._on_change(self.rank, tenant, h, present)
 
     def _watch_begin(self) -> set[Key]:
         w: set[Key] = set()
