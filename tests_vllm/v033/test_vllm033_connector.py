@@ -166,7 +166,7 @@ def test_salted_requests_do_not_share_blocks(engine: Engine, daemon: Daemon) -> 
     e.run()
     assert e.worker.stats["loads"] == 0
     assert e.requests["bob1"].num_computed_tokens == len(p)
-    assert tenant_digest("alice") in e.manager._ready
+    assert tenant_digest("alice") in e.manager.groups[0].ready
 
 
 def test_failed_expedited_load_is_recomputed(engine: Engine, daemon: Daemon) -> None:
