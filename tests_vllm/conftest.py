@@ -1,9 +1,11 @@
 """Fixtures for the vLLM suite (``make test-vllm``; its own venv, .venv-vllm).
 
-The two engine runs are session fixtures: each starts a real vLLM engine
+The engine runs are session fixtures: each starts a real vLLM engine
 (~45 s on 2 cores) in a driver process (tests_vllm/driver.py) and the tests
 read what happened from its JSON. The baseline run has no connector; the
-kvseal run has the one-line kv-transfer config and a real daemon.
+kvseal run has the one-line kv-transfer config and a real daemon; the anchor
+run has vLLM's own CPU offloading with plain copies (the reference for tokens
+where vLLM's offload path itself changes a near-tie token on this CPU).
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ def _drive(mode: str, model: Path, workdir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     _RESULTS["baseline"] = r = _drive("baseline", tiny_model, tmp_path_factory.mktemp("baseline"))
+    return r
+
+
+@pytest.fixture(scope="session")
+def anchor(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """vLLM's own CPU offloading (plain copies, no kvseal) on the same workload:
+    what vLLM's offload path itself gives (driver.py, ``--mode anchor``)."""
+    _RESULTS["anchor"] = r = _drive("anchor", tiny_model, tmp_path_factory.mktemp("anchor"))
     return r
 
 

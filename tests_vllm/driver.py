@@ -3,6 +3,10 @@ workload and writes what happened as JSON. A separate process because vLLM
 spawns its engine-core and worker processes (the ``__main__`` guard).
 
 ``--mode baseline``: plain vLLM, prefix caching on, no connector.
+``--mode anchor``: the same engine with vLLM's own CPU offloading manager and
+plain copies (bench/serving/anchor.py), no kvseal: on the CPU engine vLLM's
+offload path itself can change a near-tie greedy token, and the kvseal run must
+give exactly its tokens (test_vllm_e2e.py).
 ``--mode kvseal``: the same engine with kvseal's one-line kv-transfer config
 against a real daemon this driver starts (and kills and restarts), with vLLM's
 KV events published over ZMQ to a subscriber in this process.
@@ -67,6 +71,7 @@ class Engine:
         kvseal_socket: str | None,
         zmq_port: int,
         extra: dict[str, Any] | None = None,
+        anchor: bool = False,
     ) -> None:
         """``extra``: more of kvseal's ``kv_connector_extra_config`` (e.g.
         ``kvseal_lookup_discovery``)."""
@@ -74,7 +79,19 @@ class Engine:
         from vllm.config import KVEventsConfig, KVTransferConfig
 
         kw: dict[str, Any] = {}
-        if kvseal_socket is not None:
+        if anchor:
+            root = str(Path(__file__).resolve().parent.parent)  # bench.serving.anchor
+            os.environ["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+            kw["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={
+                    "spec_name": "PlainOffloadingSpec",
+                    "spec_module_path": "bench.serving.anchor",
+                    "cpu_bytes_to_use": 64 << 20,
+                },
+            )
+        elif kvseal_socket is not None:
             # The one config line of docs/vllm.md, as Python objects.
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KVSealOffloadingConnector",
@@ -182,7 +199,7 @@ def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("baseline", "kvseal"), required=True)
+    ap.add_argument("--mode", choices=("baseline", "kvseal", "anchor"), required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--out", required=True)
@@ -204,7 +221,13 @@ def main() -> None:
         atexit.register(daemon.stop)  # also when this driver fails
         sub = Subscriber(args.zmq_port)
     t0 = time.monotonic()
-    eng = Engine(args.model, kv_bytes, daemon.socket if daemon else None, args.zmq_port)
+    eng = Engine(
+        args.model,
+        kv_bytes,
+        daemon.socket if daemon else None,
+        args.zmq_port,
+        anchor=args.mode == "anchor",
+    )
     res["engine_start_s"] = round(time.monotonic() - t0, 1)
 
     def stats() -> dict[str, int]:

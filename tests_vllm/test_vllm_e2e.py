@@ -1,6 +1,15 @@
 """A real vLLM 0.32 engine (CPU platform, tiny local Llama) with kvseal's
 one-line kv-transfer config against a real kvseal daemon, compared token for
 token with the same engine without kvseal (see driver.py for the workload).
+
+On some CPUs vLLM's own offload path (its offloading manager and scheduler
+with plain copies, no kvseal: the ``anchor`` run) changes a near-tie greedy
+token of the random-weight model in a few requests (seen on this project's
+machines in 2026-12: 6 of 40 requests of ``main``, the same ones with kvseal).
+So kvseal's tokens must equal the anchor's exactly where both restored the
+same blocks, each answer after a failed restore must be one vLLM itself gives
+(the engine alone's or the anchor's), and the anchor may differ from the
+engine alone in at most :data:`ANCHOR_DRIFT` requests of a phase.
 """
 
 from __future__ import annotations
@@ -16,6 +25,25 @@ import pytest
 
 from tests_vllm.conftest import HERE
 from tests_vllm.driver import BLOCK, KV_BLOCKS, OUT_TOKENS, TENANT_TURNS, TENANTS
+
+ANCHOR_DRIFT = 10  # requests of one phase in which vLLM's own offload may differ
+
+
+def _either(
+    got: list[list[list[int]]], alone: list[list[list[int]]], own: list[list[list[int]]]
+) -> list[tuple[int, int]]:
+    """Requests whose answer is neither the engine alone's nor vLLM's own
+    offload path's."""
+    return [
+        (t, i)
+        for t, turn in enumerate(got)
+        for i, out in enumerate(turn)
+        if out not in (alone[t][i], own[t][i])
+    ]
+
+
+def _drift(a: list[list[list[int]]], b: list[list[list[int]]]) -> int:
+    return sum(x != y for ta, tb in zip(a, b, strict=True) for x, y in zip(ta, tb, strict=True))
 
 
 def _outs(phase: dict[str, Any]) -> list[list[list[int]]]:
@@ -35,10 +63,11 @@ def test_working_set_is_at_least_twice_the_engine_cache(with_kvseal: dict[str, A
 
 
 def test_greedy_outputs_identical_and_restored_blocks_used(
-    baseline: dict[str, Any], with_kvseal: dict[str, Any]
+    baseline: dict[str, Any], with_kvseal: dict[str, Any], anchor: dict[str, Any]
 ) -> None:
-    b, k = baseline["phases"]["main"], with_kvseal["phases"]["main"]
-    assert _outs(k) == _outs(b)
+    b, k, a = baseline["phases"]["main"], with_kvseal["phases"]["main"], anchor["phases"]["main"]
+    assert _outs(k) == _outs(a)  # vLLM's own offload path's tokens, exactly
+    assert _drift(_outs(a), _outs(b)) <= ANCHOR_DRIFT
     assert k["stats"]["restored_blocks"] > 0
     # The engine reports cached tokens it did not compute, beyond what its own
     # prefix cache gave the run without kvseal.
@@ -51,7 +80,7 @@ def test_greedy_outputs_identical_and_restored_blocks_used(
 
 
 def test_tampered_host_region_is_detected_and_recomputed(
-    baseline: dict[str, Any], with_kvseal: dict[str, Any]
+    baseline: dict[str, Any], with_kvseal: dict[str, Any], anchor: dict[str, Any]
 ) -> None:
     """Negative control: restored bytes are really used (and verified): after
     the host region is tampered with, restores fail authentication (drop policy),
@@ -63,15 +92,20 @@ def test_tampered_host_region_is_detected_and_recomputed(
     assert after["integrity_failures"] > before["integrity_failures"]
     # the tampered turn got no restored tokens at all: every block was refused
     assert all(r["cached"] == 0 for r in k["turns"][2])
-    assert _outs(k) == _outs(b)
+    own = _outs(anchor["phases"]["tamper"])
+    assert _either(_outs(k), _outs(b), own) == []
+    assert _drift(own, _outs(b)) <= ANCHOR_DRIFT
 
 
 def test_daemon_killed_mid_run_engine_keeps_serving_and_reuse_resumes(
-    baseline: dict[str, Any], with_kvseal: dict[str, Any]
+    baseline: dict[str, Any], with_kvseal: dict[str, Any], anchor: dict[str, Any]
 ) -> None:
     b, k = baseline["phases"]["kill"], with_kvseal["phases"]["kill"]
     assert with_kvseal["daemon_starts"] == 2
-    assert _outs(k) == _outs(b)  # every request of every turn was answered, identically
+    # Every request of every turn was answered, with tokens vLLM itself gives.
+    own = _outs(anchor["phases"]["kill"])
+    assert _either(_outs(k), _outs(b), own) == []
+    assert _drift(own, _outs(b)) <= ANCHOR_DRIFT
     assert k["before_kill"]["restored_blocks"] > 0
     # After the restart the new daemon (new key, empty cache) is reused again.
     assert k["after"]["restored_blocks"] > 0
@@ -92,19 +126,23 @@ def test_cache_salt_isolation(baseline: dict[str, Any], with_kvseal: dict[str, A
         assert [r["out"] for r in k[part]] == [r["out"] for r in b[part]]
 
 
-def tenant_failures(k: dict[str, Any], b: dict[str, Any]) -> list[str]:
+def tenant_failures(
+    k: dict[str, Any], b: dict[str, Any], a: dict[str, Any] | None = None
+) -> list[str]:
     """What went wrong in a ``tenants`` phase (driver.py) of a kvseal run ``k``
     against the baseline run ``b`` (empty: nothing). Per tenant: the first turn
     hit nothing (its identical prompt was stored before under other salts);
     every returning turn was served the whole previous conversation from the
     tier (the flood left nothing in the engine: the baseline got 0 there);
-    greedy tokens equal to the baseline's."""
+    greedy tokens equal to the baseline's, or (``a``: the anchor run's tenants
+    phase) to vLLM's own offload path's, turn by turn."""
     bad: list[str] = []
-    for i, (kt, bt) in enumerate(zip(k["tenants"], b["tenants"], strict=True)):
+    own = a["tenants"] if a is not None else b["tenants"]
+    for i, (kt, bt, at) in enumerate(zip(k["tenants"], b["tenants"], own, strict=True)):
         if len(kt) != TENANT_TURNS:
             bad.append(f"tenant {i}: {len(kt)} turns")
             continue
-        if [r["out"] for r in kt] != [r["out"] for r in bt]:
+        if any(r["out"] not in (x["out"], y["out"]) for r, x, y in zip(kt, bt, at, strict=True)):
             bad.append(f"tenant {i}: tokens differ from the run without kvseal")
         if kt[0]["cached"] != 0:
             bad.append(f"tenant {i}: first turn hit {kt[0]['cached']} tokens of other tenants")
@@ -123,7 +161,7 @@ def tenant_failures(k: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def test_every_tenant_gets_its_hits_with_new_salts_arriving(
-    baseline: dict[str, Any], with_kvseal: dict[str, Any]
+    baseline: dict[str, Any], with_kvseal: dict[str, Any], anchor: dict[str, Any]
 ) -> None:
     """Issue 20: per-user salts, identical token streams, new tenants arriving
     while earlier ones have stored, the engine's cache evicted between turns
@@ -134,7 +172,7 @@ def test_every_tenant_gets_its_hits_with_new_salts_arriving(
     assert len(k["tenants"]) == TENANTS >= 8
     # Later tenants started after earlier ones had stored: their first round is later.
     assert k["tenants"][-1][0]["round"] > k["tenants"][0][0]["round"]
-    assert tenant_failures(k, b) == []
+    assert tenant_failures(k, b, anchor["phases"]["tenants"]) == []
     assert k["stats"]["restored_blocks"] > 0
     assert all(c == 0 for fl in b["floods"] for c in fl)  # the floods hit nothing
 
