@@ -41,6 +41,10 @@ def make_model(family: str, root: Path, seed: int = 1234) -> Path:
     path = root / f"tiny-{family}"
     if (path / "config.json").exists():
         return path
+    if family == "fp8":  # the suite's own tiny Llama; fp8 is the engine's KV dtype
+        from tests_vllm.tiny_model import make_tiny_llama
+
+        return make_tiny_llama(path, seed)
     import torch
 
     torch.manual_seed(seed)
@@ -116,22 +120,6 @@ def _mla() -> Any:
     return DeepseekV2ForCausalLM(cfg)
 
 
-def _llama() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        torch_dtype="bfloat16",
-    )
-    return LlamaForCausalLM(cfg)
-
-
 def _qwen3next() -> Any:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -162,6 +150,5 @@ _BUILDERS = {
     "gemma3": _gemma3,
     "gptoss": _gptoss,
     "mla": _mla,
-    "fp8": _llama,
     "qwen3next": _qwen3next,
 }
