@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from bench.serving.run import (
+from bench.serving.arms import (
     BLOCK,
     BLOCK_BYTES,
     ENGINE_BLOCKS,

@@ -49,23 +49,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.serving.arms import BLOCK, ENGINE_BLOCKS, HOST_BLOCKS, Arm, free_port  # noqa: E402
 from bench.serving.model import KV_BYTES_PER_TOKEN  # noqa: E402
 from bench.serving.report import _median_point, write_section  # noqa: E402
-from bench.serving.run import (  # noqa: E402
-    BLOCK,
-    ENGINE_BLOCKS,
-    HOST_BLOCKS,
+from bench.serving.run import measure, prepare, stop_on_signals  # noqa: E402
+from bench.serving.workloads import (  # noqa: E402
     PROBE,
-    Arm,
     Client,
     Result,
-    free_port,
     llmd_requests,
     log,
-    measure,
-    prepare,
     run_poisson,
-    stop_on_signals,
     text,
 )
 

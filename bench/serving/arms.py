@@ -1,0 +1,215 @@
+"""The serving benchmark's arms (bench/serving/run.py): one ``vllm serve``
+each (CPU platform, the local model of model.py), its kvseal daemon where it
+has one, CPU accounting and a stop that reaches every process of the server's
+session. The SGLang arms (bench/serving/sglang_arm.py) subclass ``Arm``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.serving.model import KV_BYTES_PER_TOKEN
+from bench.serving.workloads import Client
+from tests_vllm.daemon import Daemon
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 32
+ENGINE_BLOCKS = 128  # engine KV cache: 4,096 tokens
+HOST_FACTOR = 2.4  # host tier / engine KV (the seed's ratio)
+BLOCK_BYTES = BLOCK * KV_BYTES_PER_TOKEN
+HOST_BLOCKS = int(ENGINE_BLOCKS * HOST_FACTOR)
+MAX_LEN = 1536
+ARMS = ("none", "plain", "wt", "wb")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Arm:
+    def __init__(self, name: str, model: Path, work: Path, mode: str | None = None) -> None:
+        self.name, self.model, self.work = name, model, work / name
+        self.mode = mode or name  # the kind of arm (ARMS); the name only labels it
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.daemon: Daemon | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = free_port()
+        self.client = Client(self.port, str(model))
+
+    def kv_transfer(self) -> dict[str, Any] | None:
+        if self.mode == "none":
+            return None
+        if self.mode == "plain":
+            return {
+                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "PlainOffloadingSpec",
+                    "spec_module_path": "bench.serving.anchor",
+                    "cpu_bytes_to_use": HOST_BLOCKS * BLOCK_BYTES,
+                },
+            }  # fmt: skip
+        assert self.daemon is not None
+        return {
+            "kv_connector": "KVSealOffloadingConnector",
+            "kv_connector_module_path": "kvseal.vllm.connector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "kvseal_socket": self.daemon.socket, "kvseal_write_back": self.mode == "wb",
+            },
+        }  # fmt: skip
+
+    def start(self) -> float:
+        t0 = time.monotonic()
+        if self.mode in ("wt", "wb"):
+            # Host region sized to HOST_BLOCKS sealed blocks (ciphertext + tag).
+            self.daemon = Daemon(
+                self.work / "daemon", extra=self.daemon_extra(),
+                host_bytes=str(HOST_BLOCKS * (BLOCK_BYTES + 64)),
+            ).start()  # fmt: skip
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+            "--block-size", str(BLOCK), "--enable-prefix-caching", "--enforce-eager",
+            "--max-model-len", str(MAX_LEN), "--max-num-seqs", "8", "--seed", "0",
+            "--kv-cache-memory-bytes", str(ENGINE_BLOCKS * BLOCK_BYTES),
+            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        kt = self.kv_transfer()
+        if kt is not None:
+            args += ["--kv-transfer-config", json.dumps(kt)]
+        # Every arm's model threads on the same CPUs. Left to vLLM ("auto"), a
+        # server with a KV connector reserves one more core than one without,
+        # and on a 2-core machine that gave no offload 1 OpenMP thread and the
+        # connector arms 2 (vLLM's ompmultiprocessing: the reservation exceeds
+        # the cores and is dropped): a handicap of the baseline, not a cost.
+        cpus = sorted(os.sched_getaffinity(0))
+        # ROOT, then what the caller set (e.g. a clean copy of the tree to measure).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "VLLM_LOGGING_LEVEL": "WARNING",
+               "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus)}  # fmt: skip
+        with open(self.work / "serve.log", "wb") as logf:  # the child keeps its own copy
+            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, cwd=self.work)  # fmt: skip
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: vllm serve exited: {self.tail()}")
+            try:
+                self.client.get("/health")
+                return time.monotonic() - t0
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"{self.name}: vllm serve not up: {self.tail()}")
+
+    def daemon_extra(self) -> tuple[str, ...]:
+        """More flags for a kvseal arm's daemon (bench/serving/store_points.py)."""
+        return ()
+
+    def tail(self) -> str:
+        return (self.work / "serve.log").read_text(errors="replace")[-4000:]
+
+    def check_alive(self) -> None:
+        """RuntimeError naming the exit status (-9: killed, e.g. by the OOM killer on
+        a crowded machine) and the log's tail if the server has exited: failed
+        requests would otherwise be all the bench says."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(
+                f"{self.name}: the server exited (status {self.proc.returncode}): {self.tail()}"
+            )
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, s) used so far by the engine (every process
+        of the server's session: API server, engine core, worker) and by the
+        kvseal daemon: where a point's time goes."""
+        tick = os.sysconf("SC_CLK_TCK")
+        eng = dmn = 0.0
+        dpid = self.daemon.proc.pid if self.daemon and self.daemon.proc else -1
+        sid = self.proc.pid if self.proc is not None else -2
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                st = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            f = st[st.rindex(")") + 2 :].split()
+            t = (int(f[11]) + int(f[12])) / tick  # utime, stime
+            if int(d) == dpid:
+                dmn += t
+            elif int(f[3]) == sid:  # session id
+                eng += t
+        return {"engine_cpu_s": eng, "daemon_cpu_s": dmn}
+
+    def adjust(self, pt: dict[str, Any]) -> None:
+        """Engine-specific corrections of a point's summary (none for vLLM)."""
+
+    def stats(self) -> dict[str, int]:
+        if self.daemon is None:
+            return {}
+        return self.daemon.stats()
+
+    def terminate(self) -> None:
+        """SIGTERM to the server's whole session (API server, engine core, workers),
+        without waiting: ``stop_arms`` signals every arm before it waits on any. Also
+        after the API server itself died: its engine core and workers may not have."""
+        if self.proc is not None and (self.proc.poll() is None or session_pids(self.proc.pid)):
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        """Stop the server's whole session (the engine core and workers may
+        outlive the API server) within 30 s, then SIGKILL what is left; then
+        the daemon."""
+        if self.proc is not None:
+            self.terminate()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and (
+                self.proc.poll() is None or session_pids(self.proc.pid)
+            ):
+                time.sleep(0.2)
+            if self.proc.poll() is None or session_pids(self.proc.pid):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
+        if self.daemon is not None:
+            self.daemon.stop()
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            st = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        f = st[st.rindex(")") + 2 :].split()
+        if f[0] != "Z" and int(f[3]) == sid:
+            out.append(int(d))
+    return out
+
+
+def stop_arms(arms: list[Arm]) -> None:
+    """Stop every arm, signalling every server before waiting for any, so a
+    loaded machine waits for the slowest, not for the sum."""
+    for arm in arms:
+        arm.terminate()
+    for arm in arms:
+        arm.stop()
