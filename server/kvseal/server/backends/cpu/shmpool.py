@@ -87,6 +87,9 @@ class CpuMappedPool:
         self._bound: dict[tuple[int, int], tuple[memoryview, tuple[BoundChunk, ...]]] = {}
         self._cache_lock = threading.Lock()  # sealing threads share the pool
         g = spec.geometry
+        # The geometry sums its segments on every read of block_bytes (128 of
+        # them for a 64-layer model): once here, not once per write call.
+        self._block_bytes = g.block_bytes
         try:
             memory = []
             for i, b in enumerate(g.buffers):
@@ -161,7 +164,7 @@ class CpuMappedPool:
 
     @property
     def block_bytes(self) -> int:
-        return self.spec.geometry.block_bytes
+        return self._block_bytes
 
     @property
     def segment_runs(self) -> int:
@@ -242,12 +245,15 @@ class CpuMappedPool:
         """Write whole blocks: page ``pages[j]`` gets the block at
         ``src[starts[j]:]``. Pages that follow each other in the pool go out
         together: a segment of consecutive pages is one ``pwritev`` of at
-        most one block's bytes. ``check`` runs before every write call, so
-        each touch after a check is at most one block long. ``rotate`` starts
-        at another segment: threads writing parts of one batch then work on
-        different objects instead of queueing on one object's lock. Raises
-        HandleUnusable if a write fails (e.g. no space to re-extend an object
-        the engine shrank); the pages are then partly written."""
+        most one block's bytes. ``check`` runs before the first write call
+        and again before any call that would take the bytes written since
+        the last check past one block, so each touch after a check is at
+        most one block long (a check per block, not per segment: a 64-layer
+        block is 128 writes). ``rotate`` starts at another segment: threads
+        writing parts of one batch then work on different objects instead of
+        queueing on one object's lock. Raises HandleUnusable if a write fails
+        (e.g. no space to re-extend an object the engine shrank); the pages
+        are then partly written."""
         groups: list[tuple[int, int]] = []  # (first j, count) of consecutive pages
         j = 0
         while j < len(pages):
@@ -256,17 +262,39 @@ class CpuMappedPool:
                 k += 1
             groups.append((j, k))
             j += k
-        r = rotate % len(self._runs)
+        runs = self._runs
+        r = rotate % len(runs)
+        block = self._block_bytes
+        since = block  # bytes written since the last check: check before the first write
         run = None
         try:
-            for run in self._runs[r:] + self._runs[:r]:
+            if len(pages) == 1:  # one block: one check, then a write per run, nothing else
+                check()
+                base, page = starts[0], pages[0]
+                for run in runs[r:] + runs[:r]:
+                    fd, at, stride, pos, n, _ = run
+                    iov = [src[base + pos : base + pos + n]]
+                    done = os.pwritev(fd, iov, at + page * stride)
+                    if done != n:
+                        _write_rest_iov(fd, iov, at + page * stride, done)
+                return
+            for run in runs[r:] + runs[:r]:
                 fd, at, stride, pos, n, _ = run
-                per_call = max(1, min(_IOV_MAX, self.block_bytes // n)) if stride == n else 1
+                per_call = max(1, min(_IOV_MAX, block // n)) if stride == n else 1
                 for j0, count in groups:
                     for c in range(j0, j0 + count, per_call):
                         m = min(per_call, j0 + count - c)
-                        check()
-                        iov = [src[starts[x] + pos : starts[x] + pos + n] for x in range(c, c + m)]
+                        if since + n * m > block:
+                            check()
+                            since = 0
+                        since += n * m
+                        if m == 1:
+                            s0 = starts[c] + pos
+                            iov = [src[s0 : s0 + n]]
+                        else:
+                            iov = [
+                                src[starts[x] + pos : starts[x] + pos + n] for x in range(c, c + m)
+                            ]
                         done = os.pwritev(fd, iov, at + pages[c] * stride)
                         if done != n * m:
                             _write_rest_iov(fd, iov, at + pages[c] * stride, done)
