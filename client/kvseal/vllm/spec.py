@@ -158,6 +158,19 @@ class KVSealOffloadingSpec(OffloadingSpec):
         self.groups = tuple(g.group_id for g in self.layouts)
         self.group = self.groups[0]
         self._layout = {g.group_id: g for g in self.layouts}
+        if len(self.layouts) > 1 and self.extra_config.get("sync_load_budget_bytes"):
+            # vLLM 0.33 runs an expedited load's request in the same step and can
+            # hear of its failure only as block ids, which it refuses for models
+            # with several groups (RuntimeError), while a failed receive of a
+            # running request is ignored: such a request would run on a prefix
+            # whose window or state was never written. Regular loads report a
+            # failed receive, and vLLM recomputes the request (tests_vllm/v033).
+            log.warning(
+                "kvseal: sync_load_budget_bytes ignored: this model has %d KV-cache "
+                "groups, and vLLM cannot recompute a failed expedited load of several",
+                len(self.layouts),
+            )
+            self.extra_config["sync_load_budget_bytes"] = 0
         raw = self.extra_config.get("kvseal_lookup_discovery")
         # None: the manager turns discovery on once a daemon says it has a store
         # (blocks that outlive a restart are found after one).
