@@ -454,7 +454,11 @@ class Engine:
             self._forward(req_id, end - n, end)
         conn.wait_for_save()
         out = KVConnectorOutput()
-        out.finished_sending, out.finished_recving = conn.get_finished(so.finished_req_ids)
+        # As vLLM 0.33's KVConnectorModelRunnerMixin: the transfer results carry
+        # the failed receives (kvseal reports a hybrid model's failed load so).
+        res = conn.get_transfer_results(so.finished_req_ids)
+        out.finished_sending, out.finished_recving = res.finished_sending, res.finished_recving
+        out.failed_recving = res.failed_recving
         out.invalid_block_ids = conn.get_block_ids_with_load_errors()
         out.kv_connector_worker_meta = conn.build_connector_worker_meta()
         conn.clear_connector_metadata()
