@@ -24,6 +24,11 @@ counters once per step. How kvseal answers each (docs/sglang.md has the table):
 - **offload** queues the pages for the offload thread, which copies them into
   staging and seals them through the daemon; a page already held is only
   touched. Results are reported in order through the counters.
+- **offload at eviction** (``offload_policy: "evict"``, :mod:`kvseal.sglang.evict`):
+  nothing is offloaded on insert; a node's pages are copied into staging
+  when SGLang evicts it (before it frees the slots) and sealed from there.
+  Where the hooks do not fit this SGLang or this model, the linker logs why
+  and runs write-through (``offload_mode`` says which runs).
 
 Hybrid models: each component SGLang hands the linker (``kv``, and ``swa``
 or ``mamba``; :mod:`kvseal.sglang.pools`) is its own kvseal pool
@@ -59,7 +64,7 @@ from typing import Any
 import torch
 from kvseal.client import ClientConfig, KVSealClient
 from kvseal.client.config import socket_target
-from kvseal.sglang import hooks, keys, pools
+from kvseal.sglang import evict, hooks, keys, pools
 from kvseal.sglang.tier import ComponentTier
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
@@ -82,7 +87,11 @@ OPTIONS = {
     "instance": "a name for this engine in pool names and logs (default sglang)",
     "deployment_label": "this deployment's name in the store's replica records "
     "(default: the model path's last component)",
+    "offload_policy": '"write_through" (default: every inserted page) or "evict" '
+    "(a page is sealed when SGLang evicts it)",
+    "evict_wait_s": "how long an eviction waits for free staging blocks (default 1)",
 }
+OFFLOAD_POLICIES = ("write_through", "evict")
 REQ_TENANTS = 1 << 16  # requests whose tenant is remembered between match and load
 
 
@@ -118,6 +127,13 @@ class KVSealLinker(UnifiedCacheLinker):
             raise ValueError(
                 f'kvseal linker: load_mode must be "verified" or "async", not {self.load_mode!r}'
             )
+        self.offload_policy = str(extra.get("offload_policy", "write_through"))
+        if self.offload_policy not in OFFLOAD_POLICIES:
+            raise ValueError(
+                f"kvseal linker: offload_policy must be one of {list(OFFLOAD_POLICIES)}, "
+                f"not {self.offload_policy!r}"
+            )
+        self._evict_wait = float(extra.get("evict_wait_s", 1.0))
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
@@ -237,6 +253,55 @@ class KVSealLinker(UnifiedCacheLinker):
         for t in self._threads:
             t.start()
         hooks.install()
+        # What runs: "write_through" until attach_cache switches to "evict".
+        self.offload_mode = "write_through"
+        self.evict_sealer: evict.EvictSealer | None = None
+        self.fallback_reason: str | None = None
+        self._evict_hooked = False
+        if self.offload_policy == "evict":
+            reason = evict.install()
+            if reason is None:
+                self._evict_hooked = True
+            else:
+                self._fall_back(reason)
+
+    # ------------------------------------------------------------ offload mode
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback_reason = reason
+        log.warning(
+            "kvseal linker: offload at eviction does not fit (%s): falling back to "
+            "write-through (every inserted page is sealed)",
+            reason,
+        )
+
+    def attach_cache(self, cache: Any) -> None:
+        """SGLang's wrapper has attached this linker to ``cache`` (the evict
+        hook calls this after ``UnifiedCacheLinkerWrapper.__init__``, which
+        set the write-through threshold to 1). With ``offload_policy:
+        "evict"`` and a cache that fits, raise the threshold out of reach (no
+        offload on insert) and start the sealer; else leave write-through."""
+        if not self._evict_hooked or self.evict_sealer is not None:
+            return
+        reason = evict.cache_misfit(cache)
+        if reason is not None:
+            self._fall_back(reason)
+            return
+        cache.write_through_threshold = evict.NEVER
+        self.evict_sealer = evict.EvictSealer(
+            self.tiers,
+            self.tenants,
+            forward_stream=self.forward_stream if self.cuda else None,
+            wait_s=self._evict_wait,
+            stats=self.stats,
+            rank=self.rank,
+        )
+        self.offload_mode = "evict"
+        log.info(
+            "kvseal linker: rank %d: offload at eviction: nothing is sealed on insert, "
+            "a page is sealed when SGLang evicts it",
+            self.rank,
+        )
 
     # ------------------------------------------------------------ tenants
 
@@ -442,6 +507,8 @@ class KVSealLinker(UnifiedCacheLinker):
         self._queued.clear()
         self._loadq.join()
         self._offq.join()
+        if self.evict_sealer is not None:
+            self.evict_sealer.drain()
         while True:
             try:
                 self._offload_results.get_nowait()
@@ -455,6 +522,8 @@ class KVSealLinker(UnifiedCacheLinker):
         self._loadq.put(None)
         for t in self._threads:
             t.join(timeout=30)
+        if self.evict_sealer is not None:
+            self.evict_sealer.close()
         for tier in self.tiers.values():
             tier.close()
         self.client.close()
