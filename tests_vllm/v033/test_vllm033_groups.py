@@ -14,7 +14,11 @@ decide what each group stores and loads; kvseal seals and restores it:
 - one group's block tampered with in the daemon's host region fails the
   request's load as a whole: vLLM recomputes the request from its first
   token, and never caches what the failed load wrote;
-- two salted tenants never hit each other's blocks, in any group.
+- two salted tenants never hit each other's blocks, in any group;
+- a hybrid model never loads expedited (vLLM 0.33 could not recompute such a
+  load when it fails);
+- groups vLLM 0.33 selects but kvseal cannot carry (Mamba state outside align
+  mode, chunked local attention) stop the engine's start, with the reason.
 """
 
 from __future__ import annotations
@@ -309,3 +313,21 @@ def test_a_hybrid_model_never_loads_expedited(
     # Recomputed: every group's pages are the request's own, window included.
     m = _group_pages_match(e, "b", p)
     assert m[0] == list(range(BLOCKS)) and set(GROUP1_BLOCKS["swa"]) <= set(m[1])
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("mamba-none", r"group 1: Mamba state in cache mode 'none'.*--mamba-cache-mode align"),
+        ("chunked", r"group 1: ChunkedLocalAttentionSpec: chunked local attention is not"),
+    ],
+    ids=["mamba-none", "chunked"],
+)
+def test_groups_kvseal_cannot_carry_are_refused_at_start(
+    daemon: Daemon, tmp_path: Path, kind: str, reason: str
+) -> None:
+    # vLLM 0.33's offloading config selects these groups (prefix-cacheable);
+    # kvseal's spec refuses the engine's start, naming the group and why,
+    # rather than offload state it cannot restore correctly.
+    with pytest.raises(ValueError, match=r"kvseal cannot offload KV-cache " + reason):
+        Engine(write_model_config(tmp_path / "model"), daemon.target, hybrid=kind)
