@@ -10,6 +10,7 @@ object) happens before a single byte is copied.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import heapq
 import re
@@ -421,8 +422,10 @@ class Pool:
     # under its counter lock): what a Stats call scoped to the pool reports.
     counters: dict[str, int] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
+        # Once: the geometry sums its segments on every read, and each transfer
+        # reads it a few times (the spec never changes for a registered pool).
         return self.spec.geometry.block_bytes
 
     @property

