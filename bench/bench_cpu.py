@@ -25,10 +25,15 @@ What it does, in one run:
    SO_PEERCRED relay), and straight to the latter's internal gRPC socket (a
    fresh ``.kvseal-*`` directory): p50/p99 and p50 / echo p50, the cases
    taking turns in blocks of calls. ``--round-trip-only`` runs just this.
-5. The store tier's rows (``store_transfers.py``): sealed spill and store
+5. The fixed cost of a request (``request_cost.py``): one-block to 256-block
+   ``Offload``/``Restore`` through the same daemon next to raw AES of the
+   same bytes, and the same requests on a 4 KiB-block twin pool (same pages,
+   same 128 segments per block): its time is the fixed cost per request.
+   ``--cost-only`` runs just this (and ``--cost-blocks`` picks the sizes).
+6. The store tier's rows (``store_transfers.py``): sealed spill and store
    restore of the same 4 MiB blocks against a plain file copy of the same
    bytes, in process, in a temp directory. ``--store-only`` runs just this.
-6. Prints markdown tables (last), stops the daemons with SIGTERM.
+7. Prints markdown tables (last), stops the daemons with SIGTERM.
 
 Throughput is GB/s = 1e9 bytes/s of plaintext. No GPU is used.
 """
@@ -52,6 +57,7 @@ from pathlib import Path
 
 import cpu_transfers
 import grpc
+import request_cost
 import store_transfers
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
 from kvseal.client.shm import LAYOUTS, KVShape, SharedKVPool
@@ -328,6 +334,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--store-only", action="store_true", help="only the store tier's rows")
     p.add_argument(
+        "--cost-blocks",
+        default=None,
+        help="batch sizes of the fixed-cost table (default 1,8,64,256; --quick: 1,2)",
+    )
+    p.add_argument(
+        "--cost-only", action="store_true", help="only the fixed cost of a request (and raw AES)"
+    )
+    p.add_argument(
         "--store-blocks",
         type=int,
         default=None,
@@ -344,14 +358,22 @@ def main(argv: list[str] | None = None) -> int:
     batches = sorted(
         {int(x) for x in (args.blocks or ("2,4" if args.quick else "16,64,256")).split(",")}
     )
-    if not batches or batches[0] < 1:
-        raise SystemExit("--blocks must be positive integers")
+    cost_batches = sorted(
+        {int(x) for x in (args.cost_blocks or ("1,2" if args.quick else "1,8,64,256")).split(",")}
+    )
+    if not batches or batches[0] < 1 or not cost_batches or cost_batches[0] < 1:
+        raise SystemExit("--blocks and --cost-blocks must be positive integers")
+    if args.cost_only:
+        batches = []
     reps = args.reps or (2 if args.quick else 7)
     rtt_calls = args.rtt_calls or (100 if args.quick else 4000)
-    shape = KVShape(num_pages=max(batches), dtype="bfloat16", **QWEN3_32B)
+    top = max(batches + cost_batches)
+    shape = KVShape(num_pages=top, dtype="bfloat16", **QWEN3_32B)
+    twin_shape = request_cost.twin_shape(shape)
     block_bytes = shape.block_bytes
-    # The tier holds the largest batch twice (restore set + a fresh offload) plus slack.
-    host_bytes = 2 * max(batches) * block_bytes + 64 * MiB
+    # The tier holds the largest batch twice (restore set + a fresh offload), the
+    # twin pool's the same, plus slack.
+    host_bytes = 2 * top * (block_bytes + twin_shape.block_bytes) + 64 * MiB
     if args.workers < 1:
         raise SystemExit("--workers must be positive")
     extra = ["--workers", str(args.workers)]
@@ -374,30 +396,49 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     load_before = cpu_transfers.load_average()
+    prefix = f"kvseal-bench-{os.getpid()}"
     with (
         tempfile.TemporaryDirectory(prefix="kvseal-bench-") as tmp,
         run_daemon(Path(tmp), host_bytes, extra) as daemon,
-        SharedKVPool(shape, args.layout, name_prefix=f"kvseal-bench-{os.getpid()}") as pool,
+        SharedKVPool(shape, args.layout, name_prefix=prefix) as pool,
+        SharedKVPool(twin_shape, args.layout, name_prefix=prefix + "-twin") as twin,
         KVSealClient(ClientConfig(target=daemon.target, timeout_s=30.0)) as client,
     ):
-        for buf in pool.buffers:  # random plaintext: AES speed does not depend on it, but honest
-            for off in range(0, buf.size, 8 * MiB):
-                n = min(8 * MiB, buf.size - off)
-                buf.view[off : off + n] = os.urandom(n)
+        for p in (pool, twin):  # random plaintext: AES speed does not depend on it, but honest
+            for buf in p.buffers:
+                for off in range(0, buf.size, 8 * MiB):
+                    n = min(8 * MiB, buf.size - off)
+                    buf.view[off : off + n] = os.urandom(n)
         handle = client.register_pool(
             f"bench-{os.getpid()}", b"kvseal-bench/qwen3-32b", pool.geometry()
         )
+        twin_handle = client.register_pool(
+            f"bench-{os.getpid()}-twin", b"kvseal-bench/twin", twin.geometry()
+        )
         detail = client.stats().backend_detail
         print(f"daemon pid {daemon.proc.pid}: {detail}", flush=True)
-        rows = cpu_transfers.measure(
-            pool,
-            client,
-            handle.pool_id,
-            batches,
-            reps,
-            args.workers,
-            lambda line: print(line, flush=True),
+        progress = lambda line: print(line, flush=True)  # noqa: E731
+        rows = (
+            cpu_transfers.measure(
+                pool, client, handle.pool_id, batches, reps, args.workers, progress
+            )
+            if batches
+            else []
         )
+        print(f"fixed cost per request: batches {cost_batches}", flush=True)
+        cost_load = cpu_transfers.load_average()
+        costs = request_cost.measure(
+            client,
+            pool,
+            handle.pool_id,
+            twin,
+            twin_handle.pool_id,
+            cost_batches,
+            reps,
+            progress,
+            most_reps=reps if args.quick else 40,
+        )
+        client.unregister_pool(twin_handle.pool_id)
         client.unregister_pool(handle.pool_id)
     load_after = cpu_transfers.load_average()
 
@@ -411,9 +452,22 @@ def main(argv: list[str] | None = None) -> int:
         "repetitions, ratios per repetition as median (min-max); GB/s = 1e9 B/s of plaintext"
     )
     print()
-    for line in cpu_transfers.table(rows):
+    if rows:
+        for line in cpu_transfers.table(rows):
+            print(line)
+        print()
+    print(
+        f"Fixed cost per request: the same Offload/Restore on a {twin_shape.block_bytes // 1024} "
+        f"KiB-block twin pool (same pages, {2 * shape.num_layers} segments per block) in the same "
+        f"daemon; raw AES-GCM 1 thread, side by side; load average {cost_load} at the start; "
+        "medians, ratios per repetition as median (min-max)"
+    )
+    print()
+    for line in request_cost.table(costs):
         print(line)
     print()
+    if args.cost_only:
+        return 0
     store_table(block_bytes, store_blocks, reps)
     return round_trip_table(rtt_calls)
 
