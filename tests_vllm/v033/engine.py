@@ -301,7 +301,7 @@ class Engine:
                 kv_connector_extra_config={"kvseal_socket": self.socket, **self.extra},
             ),
         )
-        # What a GPU platform resolves: the hybrid allocator on (the connector
+        # What a GPU or CPU platform resolves: the hybrid allocator on (the connector
         # supports it, SupportsHMA). This process has no platform, for which
         # vLLM turns it off and would fold the window into full attention.
         vc.scheduler_config.disable_hybrid_kv_cache_manager = False
