@@ -114,6 +114,18 @@ class Tree:
         self.linker.close()
 
 
+def _eventually(cond: Any, timeout: float = 60.0) -> bool:
+    """``cond()`` became true within ``timeout`` (the mirror claims a sealed
+    page at once when subscribed, else after its background Lookup: after a
+    stopped daemon it may be resubscribing). A wait, not a timing assertion."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _stopped(d: Daemon) -> Any:
     assert d.proc is not None
     pid = d.proc.pid
@@ -153,6 +165,7 @@ def test_evicted_pages_are_sealed_and_reused_memory_does_not_reach_them(daemon: 
         tree.alloc.free(reused)
         assert daemon.stats()["offloaded_blocks"] == before + 3
         assert tree.linker.stats["evict_sealed_pages"] == 3
+        assert _eventually(lambda: tree.match([*ids, 5], "r0")[0] == 3 * PAGE)
         hit, keys = tree.match([*ids, 5], "r1")
         assert hit == 3 * PAGE and len(keys) == 3
         ok, back = tree.load("r1", keys)
@@ -179,9 +192,11 @@ def test_evicted_pages_keep_their_tenant(daemon: Daemon) -> None:
         tree.insert(ids, salt="alice")
         tree.cache.evict(EvictParams(num_tokens=2 * PAGE))
         tree.linker.evict_sealer.drain()  # type: ignore[union-attr]
-        assert tree.match([*ids, 5], "b", salt="bob")[0] == 0
+        assert _eventually(lambda: tree.match([*ids, 5], "a0", salt="alice")[0] == 2 * PAGE)
         hit, keys = tree.match([*ids, 5], "a", salt="alice")
         assert hit == 2 * PAGE and tree.load("a", keys)[0]
+        assert tree.match([*ids, 5], "b", salt="bob")[0] == 0
+        assert tree.match([*ids, 5], "s")[0] == 0  # nor the shared tenant's
     finally:
         tree.close()
 
@@ -205,7 +220,8 @@ def test_no_staging_block_drops_the_tail_and_stops_waiting(daemon: Daemon) -> No
             assert tree.linker.stats["evict_dropped_pages"] == 2 + 2
         tree.linker.evict_sealer.drain()  # type: ignore[union-attr]
         assert tree.linker.stats["evict_sealed_pages"] == 1
-        assert tree.match([*a, 5], "r")[0] == PAGE
+        assert _eventually(lambda: tree.match([*a, 5], "r")[0] == PAGE)
+        assert tree.match([*a, 5], "r")[0] == PAGE  # the dropped tail stays a miss
         assert tree.match([*b, 5], "s")[0] == 0
     finally:
         tree.close()
