@@ -82,7 +82,9 @@ class Tree:
         """Insert ``ids`` with freshly allocated slots (or ``value``), as a
         finished request does; returns the slots."""
         v = self.alloc.alloc(len(ids)) if value is None else value
-        self.cache.insert(InsertParams(key=RadixKey(array.array("q", ids), cache_salt=salt), value=v))
+        self.cache.insert(
+            InsertParams(key=RadixKey(array.array("q", ids), cache_salt=salt), value=v)
+        )
         return v
 
     def match(self, ids: list[int], rid: str, salt: str | None = None) -> tuple[int, list[str]]:
