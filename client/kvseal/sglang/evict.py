@@ -200,8 +200,11 @@ class EvictSealer:
         wait_s: float,
         stats: dict[str, int],
         rank: int,
+        owner: bool = True,
     ) -> None:
         self.tier = tiers[pools.KV]
+        # MLA on a daemon all ranks share: rank 0 alone seals the latent.
+        self.owner = owner
         self.tenants = tenants
         self.forward_stream = forward_stream
         self.wait_s = wait_s
@@ -222,6 +225,8 @@ class EvictSealer:
     def on_evict(self, cache: Any, node_id: Any) -> None:
         """SGLang is about to delete device leaf ``node_id``: copy the pages
         the tier lacks into staging and queue their seal."""
+        if not self.owner:
+            return
         try:
             core = cache.tree_core
             transfers = core.build_external_linker_offload_transfers(node_id)

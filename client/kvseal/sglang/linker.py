@@ -295,6 +295,7 @@ class KVSealLinker(UnifiedCacheLinker):
             wait_s=self._evict_wait,
             stats=self.stats,
             rank=self.rank,
+            owner=self.offload_owner,
         )
         self.offload_mode = "evict"
         log.info(
