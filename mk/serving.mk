@@ -41,6 +41,26 @@ serving-report-sglang: venv-vllm
 	$(VLLM_PY) -m bench.serving.report $(SERVING_SGLANG_RESULTS) --md docs/serving.md \
 	  --section sglang-tables --png-prefix docs/serving-sglang
 
+# The hybrid model (bench/serving/model.py's Gemma-3-like, 3 sliding-window
+# layers : 1 full, four KV-cache groups) on the llm-d shape: no offload, the
+# plaintext anchor and kvseal write-through (h-none, h-plain, h-wt), into its
+# own results file (docs/serving.md, "Hybrid models").
+#
+#   make bench-serving-hybrid ARGS=--quick   one short point (about 8 minutes on 2 cores)
+#   make bench-serving-hybrid                the llm-d rate sweep (about 25 minutes on 2 cores)
+#   make serving-report-hybrid               docs/serving.md's hybrid tables
+SERVING_HYBRID_RESULTS ?= docs/serving-hybrid-results.json
+
+.PHONY: bench-serving-hybrid serving-report-hybrid
+
+bench-serving-hybrid: venv-vllm
+	$(VLLM_PY) -m bench.serving.run --work $(SERVING_WORK)-hybrid \
+	  --arms h-none,h-plain,h-wt --workloads llmd $(ARGS)
+
+serving-report-hybrid: venv-vllm
+	$(VLLM_PY) -m bench.serving.report $(SERVING_HYBRID_RESULTS) --md docs/serving.md \
+	  --section hybrid-tables
+
 # The sealed store tier (docs/store.md) at its two serving points, restart-warm
 # and second replica (bench/serving/store_points.py: kvseal write-through with
 # --store-dir and a file: key against a restarted no-offload engine, one engine

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import time
 from typing import Any
 
@@ -128,6 +129,10 @@ class PlainOffloadingSpec(OffloadingSpec):
         total = int(self.extra_config.get("cpu_bytes_to_use", 0))
         per = config.worker_kv_bytes_per_block * max(1, self.blocks_per_chunk)
         self.num_chunks = total // per if per else 0
+        # The tier's capacity for make bench-serving's tokens per tier byte
+        # (arms.Arm.tier_summary reads it from the server's log).
+        print(f"kvseal-bench-anchor: chunks={self.num_chunks} chunk_bytes={per}",
+              file=sys.stderr, flush=True)  # fmt: skip
         self._manager: OffloadingManager | None = None
         self._worker: PlainCopyWorker | None = None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,16 @@ BLOCK_BYTES = BLOCK * KV_BYTES_PER_TOKEN
 HOST_BLOCKS = int(ENGINE_BLOCKS * HOST_FACTOR)
 MAX_LEN = 1536
 ARMS = ("none", "plain", "wt", "wb")
+# The hybrid model's arms (model.make_hybrid_model): "h-" and a mode of ARMS.
+# Its engine KV cache is smaller in bytes: a cached prefix keeps every
+# full-attention block but only the sliding-window blocks inside the window,
+# about 2.5x fewer bytes per token than the Llama, so this keeps the llm-d
+# working set a few times the engine's cache. Both offload arms get the same
+# tier bytes (HOST_FACTOR x the engine's): the anchor's chunks and kvseal's
+# sealed blocks (ciphertext, tag and record header) each come out of them.
+HYBRID_ARMS = ("h-none", "h-plain", "h-wt")
+HYBRID_ENGINE_BYTES = 7 << 20
+HYBRID_HOST_BYTES = int(HYBRID_ENGINE_BYTES * HOST_FACTOR)
 
 
 def free_port() -> int:
@@ -37,9 +48,14 @@ def free_port() -> int:
 
 
 class Arm:
-    def __init__(self, name: str, model: Path, work: Path, mode: str | None = None) -> None:
+    def __init__(self, name: str, model: Path, work: Path, mode: str | None = None,
+                 hybrid: bool = False) -> None:  # fmt: skip
         self.name, self.model, self.work = name, model, work / name
         self.mode = mode or name  # the kind of arm (ARMS); the name only labels it
+        self.hybrid = hybrid  # the hybrid model (HYBRID_ARMS): its engine and tier bytes
+        self.engine_bytes = HYBRID_ENGINE_BYTES if hybrid else ENGINE_BLOCKS * BLOCK_BYTES
+        # Llama arms: HOST_BLOCKS blocks, kvseal's each with its 64 sealed bytes more.
+        self.tier_bytes = HYBRID_HOST_BYTES if hybrid else HOST_BLOCKS * BLOCK_BYTES
         self.work.mkdir(parents=True, exist_ok=True)
         self.daemon: Daemon | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -55,7 +71,7 @@ class Arm:
                 "kv_connector_extra_config": {
                     "spec_name": "PlainOffloadingSpec",
                     "spec_module_path": "bench.serving.anchor",
-                    "cpu_bytes_to_use": HOST_BLOCKS * BLOCK_BYTES,
+                    "cpu_bytes_to_use": self.tier_bytes,
                 },
             }  # fmt: skip
         assert self.daemon is not None
@@ -71,17 +87,18 @@ class Arm:
     def start(self) -> float:
         t0 = time.monotonic()
         if self.mode in ("wt", "wb"):
-            # Host region sized to HOST_BLOCKS sealed blocks (ciphertext + tag).
+            # Llama: host region sized to HOST_BLOCKS sealed blocks (ciphertext +
+            # tag); hybrid: the anchor's bytes exactly (tokens per tier byte).
+            host = self.tier_bytes if self.hybrid else HOST_BLOCKS * (BLOCK_BYTES + 64)
             self.daemon = Daemon(
-                self.work / "daemon", extra=self.daemon_extra(),
-                host_bytes=str(HOST_BLOCKS * (BLOCK_BYTES + 64)),
-            ).start()  # fmt: skip
+                self.work / "daemon", extra=self.daemon_extra(), host_bytes=str(host)
+            ).start()
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
             "--block-size", str(BLOCK), "--enable-prefix-caching", "--enforce-eager",
             "--max-model-len", str(MAX_LEN), "--max-num-seqs", "8", "--seed", "0",
-            "--kv-cache-memory-bytes", str(ENGINE_BLOCKS * BLOCK_BYTES),
+            "--kv-cache-memory-bytes", str(self.engine_bytes),
             "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
         ]  # fmt: skip
         kt = self.kv_transfer()
@@ -116,8 +133,10 @@ class Arm:
         """More flags for a kvseal arm's daemon (bench/serving/store_points.py)."""
         return ()
 
-    def tail(self) -> str:
-        return (self.work / "serve.log").read_text(errors="replace")[-4000:]
+    def tail(self, n: int | None = 4000) -> str:
+        """The server log's last ``n`` characters (all of it for None)."""
+        text = (self.work / "serve.log").read_text(errors="replace")
+        return text if n is None else text[-n:]
 
     def check_alive(self) -> None:
         """RuntimeError naming the exit status (-9: killed, e.g. by the OOM killer on
@@ -153,6 +172,37 @@ class Arm:
 
     def adjust(self, pt: dict[str, Any]) -> None:
         """Engine-specific corrections of a point's summary (none for vLLM)."""
+
+    def tier_summary(self) -> dict[str, Any]:
+        """What the second tier can hold, for tokens per tier byte: the anchor's
+        chunks (its capacity; vLLM's manager allocates one per (block hash,
+        group) key, ``chunk_bytes`` each) or kvseal's (the region's capacity over
+        the bytes a held sealed block takes, from the daemon's Stats at the end;
+        ``held``: the blocks it holds then). Each entry is one group's block of
+        ``BLOCK`` tokens. Empty for no offload."""
+        out: dict[str, Any] = {"tier_bytes": self.tier_bytes}
+        if self.mode == "plain":
+            m = re.search(r"kvseal-bench-anchor: chunks=(\d+) chunk_bytes=(\d+)", self.tail(None))
+            if m is None:
+                return {}
+            out.update(entries=int(m.group(1)), entry_bytes=int(m.group(2)), full=True)
+        elif self.daemon is not None:
+            from kvseal.client import ClientConfig, KVSealClient
+
+            with KVSealClient(ClientConfig(target=self.daemon.target)) as c:
+                st = c.stats()
+            held = int(st.blocks_ready)
+            if not held:
+                return {}
+            # The bytes a sealed block takes in the region (ciphertext, tag and
+            # record header, slot-aligned), measured; capacity follows from them.
+            per = int(st.host_bytes_used) // held
+            out.update(entries=int(st.host_bytes_capacity) // per, entry_bytes=per,
+                       held=held, full=int(st.evicted_blocks) > 0)  # fmt: skip
+        else:
+            return {}
+        out["tokens_per_mib"] = out["entries"] * BLOCK / (self.tier_bytes / (1 << 20))
+        return out
 
     def stats(self) -> dict[str, int]:
         if self.daemon is None:

@@ -22,6 +22,11 @@ VOCAB = 1024
 LAYERS, KV_HEADS, HEAD_DIM = 8, 2, 64
 HIDDEN, MLP, Q_HEADS = 1536, 6144, 24
 KV_BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+# The hybrid model (``make_hybrid_model``): the same shape as a Gemma-3-like
+# sliding-window model, 3 local layers to 1 global (Gemma 3 has 5 : 1; 8 layers
+# give 3 : 1), a 128-token window (4 blocks of 32).
+HYBRID_LAYER_TYPES = (["sliding_attention"] * 3 + ["full_attention"]) * 2
+HYBRID_WINDOW = 128
 
 
 def word(i: int) -> str:
@@ -30,18 +35,39 @@ def word(i: int) -> str:
 
 def make_model(path: Path, seed: int = 4321) -> Path:
     """Write model and tokenizer to ``path`` (idempotent) and return it."""
-    stamp = path / "kvseal-model.json"
-    shape = {"layers": LAYERS, "hidden": HIDDEN, "mlp": MLP, "q_heads": Q_HEADS,
-             "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "seed": seed}  # fmt: skip
-    built = (path / "tokenizer.json").exists() and stamp.exists()
-    if built and json.loads(stamp.read_text()) == shape:
-        return path
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    return _build(path, "llama", seed)
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
+
+def make_hybrid_model(path: Path, seed: int = 4321) -> Path:
+    """The hybrid model of ``make bench-serving --arms h-none,h-plain,h-wt``:
+    Gemma-3-like, the Llama's widths and KV shape (4 KiB of KV per token over 8
+    layers), layers ``HYBRID_LAYER_TYPES`` with a ``HYBRID_WINDOW``-token
+    sliding window; vLLM makes it four KV-cache groups of two layers each (one
+    full-attention, three sliding-window). Written to ``path`` (idempotent)."""
+    return _build(path, "hybrid", seed)
+
+
+def _config(family: str) -> object:
+    """The transformers config of ``family`` ("llama" or "hybrid")."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    if family == "hybrid":
+        return Gemma3TextConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=MLP,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=Q_HEADS,
+            num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            sliding_window=HYBRID_WINDOW,
+            layer_types=HYBRID_LAYER_TYPES,
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            torch_dtype="bfloat16",
+        )
+    return LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=MLP,
@@ -54,7 +80,26 @@ def make_model(path: Path, seed: int = 4321) -> Path:
         eos_token_id=2,
         torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def _build(path: Path, family: str, seed: int) -> Path:
+    stamp = path / "kvseal-model.json"
+    shape: dict[str, object] = {"layers": LAYERS, "hidden": HIDDEN, "mlp": MLP,
+                                "q_heads": Q_HEADS, "kv_heads": KV_HEADS,
+                                "head_dim": HEAD_DIM, "seed": seed}  # fmt: skip
+    if family != "llama":  # the Llama's stamp stays what it was (no rebuild)
+        shape.update(family=family, layer_types=HYBRID_LAYER_TYPES, window=HYBRID_WINDOW)
+    built = (path / "tokenizer.json").exists() and stamp.exists()
+    if built and json.loads(stamp.read_text()) == shape:
+        return path
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    cfg = _config(family)
+    cls = Gemma3ForCausalLM if family == "hybrid" else LlamaForCausalLM
+    model = cls(cfg).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}

@@ -18,13 +18,16 @@ from typing import Any
 
 NAMES = {"none": "no offload", "plain": "plaintext anchor", "wt": "kvseal write-through",
          "wb": "kvseal write-back", "sg-none": "SGLang, no offload",
-         "sg-wt": "SGLang + kvseal write-through"}  # fmt: skip
-BASELINES = ("none", "sg-none")  # arms with no second tier
+         "sg-wt": "SGLang + kvseal write-through", "h-none": "hybrid, no offload",
+         "h-plain": "hybrid, plaintext anchor",
+         "h-wt": "hybrid, kvseal write-through"}  # fmt: skip
+BASELINES = ("none", "sg-none", "h-none")  # arms with no second tier
 
 
 def _base(arm: str) -> str:
-    """The no-offload arm an arm is compared with: SGLang's for SGLang arms."""
-    return "sg-none" if arm.startswith("sg-") else "none"
+    """The no-offload arm an arm is compared with: SGLang's for SGLang arms,
+    the hybrid model's for its arms."""
+    return "sg-none" if arm.startswith("sg-") else "h-none" if arm.startswith("h-") else "none"
 
 
 def _markers(name: str) -> tuple[str, str]:
@@ -98,6 +101,16 @@ def tables(res: dict[str, Any]) -> list[str]:
         " blocks. *load*: the machine's 1-minute load average when the point ended"
         f" ({res.get('cpus')} CPUs)."
     )
+    hybrid = [a for a in arms if a.startswith("h-")]
+    if hybrid:
+        b = res["arms"][hybrid[0]].get("bytes") or {}
+        out.append("")
+        out.append(
+            "Hybrid arms (the Gemma-3-like model of bench/serving/model.py, four KV-cache"
+            f" groups): engine KV cache {b.get('engine', 0) / 2**20:.1f} MiB"
+            f" ({res['arms'][hybrid[0]].get('engine_blocks')} blocks of the shared pool),"
+            f" second tier {b.get('tier', 0) / 2**20:.1f} MiB per offload arm."
+        )
     out.append("")
     out.append("Per-token costs (one request alone, TTFT / 1,024 prompt tokens):")
     out.append("")
@@ -119,7 +132,7 @@ def tables(res: dict[str, Any]) -> list[str]:
         out += ["", f"**{title}**", "", *_workload_table(res, arms, wl)]
     if any(_points(res, a, SALTED) for a in arms):
         out += _salted_tables(res, arms)
-    return out
+    return out + tier_table(res)
 
 
 def _workload_table(res: dict[str, Any], arms: list[str], wl: str) -> list[str]:
@@ -309,6 +322,53 @@ def goals(res: dict[str, Any]) -> list[str]:
             sb = p["cached_engine"] + p["cached_tier"]
             st = q["cached_engine"] + q["cached_tier"]
             row("write-back caches more than write-through", p, f"{sb:.0%} vs {st:.0%}", sb > st)
+    out += _hybrid_goals(res, row)
+    return out
+
+
+def _hybrid_goals(res: dict[str, Any], row: Any) -> list[str]:
+    """Issue 27's goals for the hybrid model (Gemma-3-like, four KV-cache
+    groups) on the llm-d shape: >= 2x no offload at the saturated points (the
+    offered rates at which no offload completes fewer requests than offered),
+    >= 0.95x the plaintext anchor's throughput, and at least the anchor's
+    tokens per tier byte. Rows go through ``row`` into goals' table."""
+    for p in _points(res, "h-wt", "llmd"):
+        b, pl = _match(res, "h-none", p), _match(res, "h-plain", p)
+        if b and b["req_s"]:
+            r = p["req_s"] / b["req_s"]
+            saturated = b["req_s"] < 0.9 * float(p["x"])
+            goal = "h-wt: throughput >= 2x no offload" + ("" if saturated else " (not saturated)")
+            row(goal, p, f"{r:.2f}x", r >= 2.0 if saturated else "—")
+        if pl and pl["req_s"]:
+            r = p["req_s"] / pl["req_s"]
+            row("h-wt: >= 0.95x the plaintext anchor", p, f"{r:.2f}x", r >= 0.95)
+        row("h-wt: no integrity failure", p, str(p["integrity_failures"]),
+            p["integrity_failures"] == 0)  # fmt: skip
+    mine = res["arms"].get("h-wt", {}).get("tier") or {}
+    theirs = res["arms"].get("h-plain", {}).get("tier") or {}
+    if mine.get("tokens_per_mib") and theirs.get("tokens_per_mib"):
+        a, b = mine["tokens_per_mib"], theirs["tokens_per_mib"]
+        return [
+            f"| h-wt: tokens per tier byte >= the plaintext anchor's | end of run |"
+            f" {a:.0f} vs {b:.0f} tokens/MiB ({a / b:.3f}x) | {'yes' if a >= b else 'no'} |"
+        ]
+    return []
+
+
+def tier_table(res: dict[str, Any]) -> list[str]:
+    """What each offload arm's tier holds at the end (arms.Arm.tier_summary):
+    entries (one group's block each), their bytes, tokens per tier MiB."""
+    rows = [(a, r["tier"]) for a, r in res["arms"].items() if r.get("tier")]
+    if not rows:
+        return []
+    out = ["", "**Tier capacity** (an entry is one KV-cache group's block of"
+           f" {res.get('block_tokens')} tokens)", "",
+           "| arm | tier bytes | entries | bytes per entry | tokens per tier MiB |",
+           "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for a, t in rows:
+        held = f" ({t['held']:,} held at the end)" if "held" in t else ""
+        out.append(f"| {NAMES.get(a, a)} | {t['tier_bytes']:,} | {t['entries']:,}{held} |"
+                   f" {t['entry_bytes']:,} | {t['tokens_per_mib']:.0f} |")  # fmt: skip
     return out
 
 

@@ -40,10 +40,11 @@ from bench.serving.arms import (  # noqa: E402
     BLOCK,
     ENGINE_BLOCKS,
     HOST_BLOCKS,
+    HYBRID_ARMS,
     Arm,
     stop_arms,
 )
-from bench.serving.model import KV_BYTES_PER_TOKEN, make_model  # noqa: E402
+from bench.serving.model import KV_BYTES_PER_TOKEN, make_hybrid_model, make_model  # noqa: E402
 from bench.serving.workloads import (  # noqa: E402
     PROBE,
     WORKLOADS,
@@ -57,14 +58,21 @@ from bench.serving.workloads import (  # noqa: E402
 
 
 def make_arm(name: str, model: Path, work: Path) -> Arm:
-    """A vLLM arm (ARMS) or an SGLang one (bench/serving/sglang_arm.py), which
-    needs the SGLang venv: imported only when asked for."""
+    """A vLLM arm (ARMS), one of the hybrid model (HYBRID_ARMS), or an SGLang
+    one (bench/serving/sglang_arm.py), which needs the SGLang venv: imported
+    only when asked for."""
     if name.startswith("sg-"):
         from bench.serving.sglang_arm import SGLANG_ARMS, SGLangArm
 
         if name not in SGLANG_ARMS:
             raise SystemExit(f"unknown SGLang arm {name!r}: {', '.join(SGLANG_ARMS)}")
         return SGLangArm(name, model, work)
+    if name.startswith("h-"):
+        if name not in HYBRID_ARMS:
+            raise SystemExit(f"unknown hybrid arm {name!r}: {', '.join(HYBRID_ARMS)}")
+        # The hybrid model is built beside the Llama, once (model.make_hybrid_model).
+        return Arm(name, make_hybrid_model(model.parent / "model-hybrid"), work,
+                   mode=name[2:], hybrid=True)  # fmt: skip
     return Arm(name, model, work)
 
 
@@ -206,6 +214,7 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
             res["arms"][arm.name] = r
             r["start_s"] = round(arm.start(), 1)
             r["engine_blocks"] = arm.client.engine_blocks()
+            r["bytes"] = {"engine": arm.engine_bytes, "tier": arm.tier_bytes}
             # kvseal's family registered in the API server's /metrics (a kvseal arm)
             r["kvseal_metrics"] = "# TYPE vllm:kvseal_load_failed_blocks" in arm.client.get(
                 "/metrics"
@@ -240,6 +249,7 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
             r = res["arms"][arm.name]
             r["probe_after"] = arm.client.complete(text(PROBE), 16, stream=False).text
             r["stats_total"] = arm.stats()
+            r["tier"] = arm.tier_summary()
     finally:
         stop_arms(arms)
 
@@ -276,7 +286,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one short point per workload")
     ap.add_argument("--arms", default=",".join(ARMS),
-                    help="vLLM arms (none,plain,wt,wb) or SGLang arms (sg-none,sg-wt)")  # fmt: skip
+                    help="vLLM arms (none,plain,wt,wb), the hybrid model's (h-none,h-plain,h-wt)"
+                    " or SGLang arms (sg-none,sg-wt)")  # fmt: skip
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help=f"a subset of {','.join(WORKLOADS)}")  # fmt: skip
     ap.add_argument("--rates", default=None, help="llm-d request rates, e.g. 16,32")
