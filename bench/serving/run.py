@@ -41,6 +41,8 @@ from bench.serving.arms import (  # noqa: E402
     ENGINE_BLOCKS,
     HOST_BLOCKS,
     HYBRID_ARMS,
+    HYBRID_ENGINE_BYTES,
+    HYBRID_HOST_BYTES,
     Arm,
     stop_arms,
 )
@@ -308,7 +310,8 @@ def main() -> None:
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }  # fmt: skip
     log(f"engine KV {ENGINE_BLOCKS} blocks x {BLOCK} tokens, host tier {HOST_BLOCKS} blocks,"
-        f" KV {KV_BYTES_PER_TOKEN} B/token")  # fmt: skip
+        f" KV {KV_BYTES_PER_TOKEN} B/token (the Llama's; hybrid arms: engine KV"
+        f" {HYBRID_ENGINE_BYTES} B, tier {HYBRID_HOST_BYTES} B)")  # fmt: skip
     run_arms(args.arms.split(","), model, work, pl, res,
              lambda: out.write_text(json.dumps(res, indent=1)))  # fmt: skip
     res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
