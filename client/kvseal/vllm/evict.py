@@ -286,7 +286,7 @@ class EvictionOffload:
             return (
                 f"the model has {len(self._m.groups)} offloaded KV-cache groups (one is supported)"
             )
-        sched = frame.f_locals.get("self") if frame is not None else None
+        sched: Any = frame.f_locals.get("self") if frame is not None else None
         if not isinstance(sched, OffloadingConnectorScheduler) or sched.manager is not self._m:
             return "on_schedule_end was not called by vLLM's OffloadingConnectorScheduler"
         conn, f = None, frame.f_back if frame is not None else None
