@@ -127,36 +127,27 @@ def breakdown(
     def last(name: str, per: int = 1) -> list[int]:
         return times.get(name, [])[-n * per :]
 
-    def med(name: str, per: int = 1) -> float:
-        # A stage called ``per`` times per request: its median call, ``per`` times.
+    calls = len(times.get(f"KVSealServicer.{method}", [])) or 1
+
+    def med(name: str) -> float:
+        """A stage's median call times its calls per request (16 chunks of a
+        4 MiB block, two pool checks, ...: counted over the whole run)."""
+        per = max(1, round(len(times.get(name, [])) / calls))
         return _median_us(last(name, per)) * per
 
     handler = last(f"KVSealServicer.{method}")
     # Offload mode sends an untimed Drop after each Offload: every other hop.
     hop = last(HOP, 1 if restore else 2)[:: 1 if restore else 2]
     grpc_out = [c - h - p for c, h, p in zip(client, handler, hop, strict=False)]
-    # Chunks per block (the backend's 256 KiB steps): calls per request overall.
-    calls = len(times.get(f"KVSealServicer.{method}", [])) or 1
-    chunks = max(
-        1, round(len(times.get(f"{'Open' if restore else 'Seal'}Stream.update", [])) / calls)
-    )
     if restore:
         index = med("Index.begin_restore") + med("Index.complete_restore")
-        seal = (
-            med("BlockSealer.begin_open")
-            + med("OpenStream.update", chunks)
-            + med("OpenStream.finish")
-        )
-        copies = med("HostRegion.read_at", chunks) + med("CpuMappedPool.write_pages")
+        seal = med("BlockSealer.begin_open") + med("OpenStream.update") + med("OpenStream.finish")
+        copies = med("HostRegion.read_at") + med("CpuMappedPool.write_pages")
         backend = med("CpuBackend.open_blocks")
     else:
         index = med("Index.begin_store") + med("Index.complete_store")
-        seal = (
-            med("BlockSealer.begin_seal")
-            + med("SealStream.update", chunks)
-            + med("SealStream.finish")
-        )
-        copies = med("HostRegion.write_at", chunks) + med("CpuMappedPool.read_chunk", chunks)
+        seal = med("BlockSealer.begin_seal") + med("SealStream.update") + med("SealStream.finish")
+        copies = med("HostRegion.write_at") + med("CpuMappedPool.read_chunk")
         backend = med("CpuBackend.seal_blocks")
     checks = med("CpuMappedPool.check")
     return [
