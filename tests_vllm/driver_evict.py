@@ -20,9 +20,14 @@ ceil(2.5 x STEP_TOKENS / BLOCK) = 10 blocks. Phases, one request at a time:
 - ``fits``: 2 short conversations x 3 turns: about 20 blocks, well inside the
   cache (more than the horizon of never-used blocks stay ahead of theirs);
 - ``pressure``: 8 conversations x 5 turns round robin (final working set
-  about 2.5x the cache): each request's first step takes the blocks at the
-  queue's head, the ones just stored (reuse at once), and earlier turns must
-  come back from the tier.
+  about 2.5x the cache): earlier turns must come back from the tier.
+
+``--horizon 4`` (one step's allocation, ``kvseal_eviction_horizon_blocks``)
+makes every block stored at eviction one the very next step hands out: its
+store job cannot have been reported done by then (vLLM's worker submits a
+step's stores at the next step), so the reuse watcher must fence it, and
+without the fence the daemon would read the page after the forward pass
+overwrote it.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--horizon", type=int, default=0)  # 0: the default horizon
+    ap.add_argument("--phases", default="fits,pressure")
     args = ap.parse_args()
     workdir = Path(args.workdir)
     from kvseal.client import ClientConfig, KVSealClient
@@ -98,6 +105,7 @@ def main() -> None:
                 "kvseal_socket": daemon.socket,
                 "kvseal_offload": "eviction",
                 "kvseal_stats_path": str(stats_path),
+                **({"kvseal_eviction_horizon_blocks": args.horizon} if args.horizon else {}),
             },
         )
     t0 = time.monotonic()
@@ -155,8 +163,10 @@ def main() -> None:
         ph["files"] = files()
         res[name] = ph
 
-    phase("fits", [Conversation(700 + i) for i in range(2)], 3)
-    phase("pressure", [Conversation(800 + i) for i in range(8)], 5)
+    if "fits" in args.phases:
+        phase("fits", [Conversation(700 + i) for i in range(2)], 3)
+    if "pressure" in args.phases:
+        phase("pressure", [Conversation(800 + i) for i in range(8)], 5)
     res["total_s"] = round(time.monotonic() - t0, 1)
     Path(args.out).write_text(json.dumps(res))
     llm.llm_engine.engine_core.shutdown()
