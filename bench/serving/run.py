@@ -228,7 +228,7 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
         # Per-token costs: three rounds, arm after arm, each arm's median kept
         # (a single cold prefill swings with the machine's load).
         rounds: dict[str, list[dict[str, float]]] = {a.name: [] for a in arms}
-        for k in range(1 if pl.get("quick") else 3):
+        for k in range(pl.get("cost_rounds") or (1 if pl.get("quick") else 3)):
             for arm in arms:
                 rounds[arm.name].append(per_token_costs(arm, 99 - k))
                 arm.check_alive()
@@ -293,6 +293,18 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help=f"a subset of {','.join(WORKLOADS)}")  # fmt: skip
     ap.add_argument("--rates", default=None, help="llm-d request rates, e.g. 16,32")
+    ap.add_argument(
+        "--llmd-per-group",
+        type=int,
+        default=None,
+        help="llm-d prompts per prefix group (a shorter point on a busy machine)",
+    )
+    ap.add_argument(
+        "--cost-rounds",
+        type=int,
+        default=None,
+        help="rounds of the per-token costs (default 3; 1 with --quick)",
+    )
     ap.add_argument("--work", default=str(ROOT / "build" / "bench-serving"))
     ap.add_argument("--out", default=None, help="results JSON (default: WORK/results.json)")
     args = ap.parse_args()
@@ -301,6 +313,9 @@ def main() -> None:
     pl = plan(args.quick)
     if args.rates:
         pl["llmd"]["rates"] = [float(r) for r in args.rates.split(",")]
+    if args.llmd_per_group:
+        pl["llmd"]["per_group"] = args.llmd_per_group
+    pl["cost_rounds"] = args.cost_rounds
     pl["workloads"] = args.workloads.split(",")
     pl["quick"] = args.quick
     res: dict[str, Any] = {
