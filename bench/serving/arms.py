@@ -29,6 +29,9 @@ BLOCK_BYTES = BLOCK * KV_BYTES_PER_TOKEN
 HOST_BLOCKS = int(ENGINE_BLOCKS * HOST_FACTOR)
 MAX_LEN = 1536
 ARMS = ("none", "plain", "wt", "wb")
+# Arms asked for by name only (--arms): kvseal offloading at eviction
+# (docs/vllm.md "Offload at eviction").
+MORE_ARMS = ("ev",)
 # The hybrid model's arms (model.make_hybrid_model): "h-" and a mode of ARMS.
 # Its engine KV cache is smaller in bytes: a cached prefix keeps every
 # full-attention block but only the sliding-window blocks inside the window,
@@ -81,12 +84,13 @@ class Arm:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "kvseal_socket": self.daemon.socket, "kvseal_write_back": self.mode == "wb",
+                "kvseal_offload": "eviction" if self.mode == "ev" else "write-through",
             },
         }  # fmt: skip
 
     def start(self) -> float:
         t0 = time.monotonic()
-        if self.mode in ("wt", "wb"):
+        if self.mode in ("wt", "wb", "ev"):
             # Llama: host region sized to HOST_BLOCKS sealed blocks (ciphertext +
             # tag); hybrid: the anchor's bytes exactly (tokens per tier byte).
             host = self.tier_bytes if self.hybrid else HOST_BLOCKS * (BLOCK_BYTES + 64)

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 NAMES = {"none": "no offload", "plain": "plaintext anchor", "wt": "kvseal write-through",
-         "wb": "kvseal write-back", "sg-none": "SGLang, no offload",
+         "wb": "kvseal write-back", "ev": "kvseal offload at eviction",
+         "sg-none": "SGLang, no offload",
          "sg-wt": "SGLang + kvseal write-through", "h-none": "hybrid, no offload",
          "h-plain": "hybrid, plaintext anchor",
          "h-wt": "hybrid, kvseal write-through"}  # fmt: skip
