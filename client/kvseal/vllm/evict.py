@@ -57,9 +57,10 @@ blocks) is evicted unsealed: it is recomputed when next needed, as without
 kvseal. A horizon shorter than the time a seal takes makes the worker wait at
 the fence (counted: ``flushed_jobs``), never a torn copy.
 
-**Checked at start.** :meth:`EvictionOffload.bind` (the first scheduler step)
-finds vLLM's ``OffloadingConnectorScheduler`` (the caller of the manager's
-``on_schedule_end``), its connector and the block pool the connector was bound
+**Checked at start.** :meth:`EvictionOffload.bind` (the first request, or
+the first step) finds vLLM's ``OffloadingConnectorScheduler`` (the caller of
+the manager's ``on_new_request`` or ``on_schedule_end``), its connector and
+the block pool the connector was bound
 to (``bind_kv_cache_manager``), and checks every attribute and behaviour used
 here; if anything does not fit (another vLLM, a model with several KV-cache
 groups), it logs one WARNING saying why and the manager runs write-through.
@@ -236,8 +237,8 @@ class EvictionOffload:
     # ------------------------------------------------------------ binding
 
     def bind(self, frame: FrameType | None) -> bool:
-        """At the first scheduler step, from the frame of the caller of the
-        manager's ``on_schedule_end``: find vLLM's objects, check them and
+        """At the first request or step, from the frame of the manager's caller
+        (``on_new_request``, ``on_schedule_end``): find vLLM's objects, check them and
         install the two step hooks; else log why and fall back to
         write-through. Returns whether eviction mode is active."""
         try:
@@ -288,7 +289,7 @@ class EvictionOffload:
             )
         sched: Any = frame.f_locals.get("self") if frame is not None else None
         if not isinstance(sched, OffloadingConnectorScheduler) or sched.manager is not self._m:
-            return "on_schedule_end was not called by vLLM's OffloadingConnectorScheduler"
+            return "the manager was not called by vLLM's OffloadingConnectorScheduler"
         conn, f = None, frame.f_back if frame is not None else None
         for _ in range(_FRAMES):
             if f is None:

@@ -345,6 +345,8 @@ class KVSealOffloadingManager(OffloadingManager):
         return self._lock
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if self.evict is not None and self.evict.state == "unbound":  # before any store
+            self.evict.bind(sys._getframe(1))
         # _tenant_of also names the tenant on every mirror's pool: the daemon
         # scopes their event streams to tenants named there.
         self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
@@ -448,8 +450,8 @@ class KVSealOffloadingManager(OffloadingManager):
         return self._spec(tenant, [(g, hs) for g, _ks, hs in parts])
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        # Eviction mode binds to vLLM's scheduler objects at the first step (from
-        # this call's caller, vLLM's OffloadingConnectorScheduler) or falls back.
+        # Eviction mode binds to vLLM's scheduler objects (the caller's, vLLM's
+        # OffloadingConnectorScheduler) at the first request or step, or falls back.
         if self.evict is not None and self.evict.state == "unbound":
             self.evict.bind(sys._getframe(1))
 
