@@ -154,3 +154,24 @@ def test_misfit_block_pool_falls_back_to_write_through(runs: dict[str, Any]) -> 
     assert r["fits"]["stats"]["offloaded_blocks"] > 0  # write-through: at compute time
     assert r["pressure"]["stats"]["restored_blocks"] > 0
     assert ev["jobs"] == 0
+
+
+def test_mode_horizon_and_chains() -> None:
+    """The pieces without an engine: an unknown mode fails the start, the
+    horizon's formula and bounds, and a walk's blocks split into the chains a
+    job must be (root to leaf; a branch starts a chain of its own)."""
+    from kvseal.vllm.evict import _chains, horizon_blocks, offload_mode
+
+    assert offload_mode({}) == "write-through"
+    assert offload_mode({"kvseal_offload": "eviction"}) == "eviction"
+    with pytest.raises(ValueError, match="kvseal_offload"):
+        offload_mode({"kvseal_offload": "evict"})
+    assert horizon_blocks({}, 8192, 16, 100_000) == 1280
+    assert horizon_blocks({}, 128, 32, 48) == 10
+    assert horizon_blocks({}, 8192, 16, 500) == 500  # at most the pool
+    assert horizon_blocks({"kvseal_eviction_horizon_blocks": 3}, 8192, 16, 500) == 3
+    # Free-queue order: a request's blocks tail first. a <- b <- c, b <- d; x alone.
+    items = [(n, n, n, p) for n, p in ((b"c", b"b"), (b"x", b"?"), (b"b", b"a"), (b"d", b"b"))]
+    items.append((b"a", b"a", b"a", b""))
+    segs = [[it[2] for it in seg] for seg in _chains(items)]
+    assert sorted(segs) == [[b"a", b"b", b"c"], [b"d"], [b"x"]]
