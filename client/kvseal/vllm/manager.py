@@ -446,7 +446,7 @@ class KVSealOffloadingManager(OffloadingManager):
             for m in g.mirrors:
                 m.touch(tenant, hashes)
             if self.evict is not None and self.evict.active:  # stored again at eviction
-                self.evict.offered(tenant, ks, hashes, b"")
+                self.evict.restored(tenant, ks, hashes)
         return self._spec(tenant, [(g, hs) for g, _ks, hs in parts])
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
