@@ -235,6 +235,8 @@ class EvictSealer:
             kv = next((t for t in transfers if str(getattr(t.name, "value", t.name)) == "kv"), None)
             if kv is None or not kv.keys or kv.device_indices is None:
                 return
+            if int(kv.device_indices.numel()) != len(kv.keys) * self.tier.geometry.ipp:
+                return  # not whole pages: nothing kvseal can name by a page key
             salt = core.prefetch_anchor_info(node_id)[1]
             tenant = self.tenants.of(salt)
             hashes = [keys.kvseal_hash(k) for k in kv.keys]
