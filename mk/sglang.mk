@@ -6,7 +6,7 @@
 # tests_sglang/stub (first on PYTHONPATH) is a placeholder sgl_kernel, because the
 # registry has no CPU build of it (docs/sglang.md, "Testing").
 #
-#   make test-sglang   the suite (about 9 minutes on 2 cores, plus the venv once; the
+#   make test-sglang   the suite (about 12 minutes on 2 cores, plus the venv once; the
 #                      sliding-window server test adds ~3 minutes at load 10, the pool-level
 #                      family tests ~20 s)
 
