@@ -249,3 +249,22 @@ def test_mode_horizon_and_chains() -> None:
     items.append((b"a", b"a", b"a", b""))
     segs = [[it[2] for it in seg] for seg in _chains(items)]
     assert sorted(segs) == [[b"a", b"b", b"c"], [b"d"], [b"x"]]
+
+
+def test_restore_keeps_the_offered_parent_and_marks_a_release() -> None:
+    """Without an engine: a restore (prepare_load names no parent) keeps the
+    parent its first block was offered with, and under write-back marks the
+    blocks released (sealed again at their next eviction, ``resealed``);
+    without write-back it marks none."""
+    from kvseal.vllm.evict import EvictionOffload
+
+    for write_back in (True, False):
+        e = EvictionOffload(None, {"kvseal_write_back": write_back}, None)  # type: ignore[arg-type]
+        e.offered(b"t", [b"k1", b"k2", b"k3"], [b"h1", b"h2", b"h3"], b"h0")
+        e.restored(b"t", [b"k2", b"k3"], [b"h2", b"h3"])
+        assert e._offers[b"k2"] == (b"t", b"h2", b"h1")
+        assert e._offers[b"k3"] == (b"t", b"h3", b"h2")
+        assert set(e._released) == ({(b"t", b"h2"), (b"t", b"h3")} if write_back else set())
+        # Another tenant's block under the same key: no parent carried over.
+        e.restored(b"u", [b"k2"], [b"h2"])
+        assert e._offers[b"k2"] == (b"u", b"h2", b"")
