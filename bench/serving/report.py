@@ -96,10 +96,11 @@ def tables(res: dict[str, Any]) -> list[str]:
     # SGLang arms report no block count (vLLM's cache_config_info): the size asked for.
     seen = ", ".join(str(b) for b in sorted(eb, key=str) if b is not None)
     where = f"as vLLM reports it: {seen}" if seen else f"as asked: {res.get('engine_blocks')}"
+    llama = " (Llama arms)" if any(a.startswith("h-") for a in arms) else ""
     out.append(
         f"Engine KV cache {where}"
         f" blocks of {res.get('block_tokens')} tokens; second tier {res.get('host_blocks')}"
-        " blocks. *load*: the machine's 1-minute load average when the point ended"
+        f" blocks{llama}. *load*: the machine's 1-minute load average when the point ended"
         f" ({res.get('cpus')} CPUs)."
     )
     hybrid = [a for a in arms if a.startswith("h-")]
@@ -130,7 +131,8 @@ def tables(res: dict[str, Any]) -> list[str]:
                       ("conv", "conversation replay (gap 0 = saturated; req/s: median of"
                                " the rounds, their range in brackets)"),
                       ("fits", "fits in the engine cache")):  # fmt: skip
-        out += ["", f"**{title}**", "", *_workload_table(res, arms, wl)]
+        if any(_points(res, a, wl) for a in arms):  # a run of some workloads only
+            out += ["", f"**{title}**", "", *_workload_table(res, arms, wl)]
     if any(_points(res, a, SALTED) for a in arms):
         out += _salted_tables(res, arms)
     return out + tier_table(res)
