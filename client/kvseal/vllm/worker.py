@@ -139,15 +139,23 @@ class KVSealOffloadingWorker(OffloadingWorker):
         self._stats_path = str(spec.extra_config.get("kvseal_stats_path") or "")
         self.write_back = bool(spec.extra_config.get("kvseal_write_back", False))
         if self.write_back and self.rank == 0:
-            # vLLM offers a block for store only when it is computed, and tells a
-            # connector nothing when its own cache evicts one: a block released here
-            # is not written back, and once the engine evicts it, it is recomputed
-            # (docs/serving.md, "write-back").
-            log.warning(
-                "kvseal: write-back releases a restored block's host copy, and vLLM "
-                "cannot write it back when it evicts the block: expect less cached "
-                "than with write-through (the default)"
-            )
+            if spec.extra_config.get("kvseal_offload", "write-through") == "eviction":
+                # Write-back over offload at eviction (kvseal.vllm.evict): a released
+                # block is sealed again at its next eviction, unless the eviction hook
+                # does not fit this vLLM (the scheduler logs that), and then as below.
+                log.info(
+                    "kvseal: write-back: a restored block's host copy is released and the "
+                    "block is sealed again at its next eviction (offload at eviction)"
+                )
+            else:
+                # Write-through stores: vLLM offers a block for store only when it is
+                # computed, so a block released here is not written back, and once the
+                # engine evicts it, it is recomputed (docs/serving.md, "write-back").
+                log.warning(
+                    'kvseal: write-back without "kvseal_offload": "eviction" releases a '
+                    "restored block's host copy that nothing writes back when vLLM evicts "
+                    "the block: expect less cached than with write-through (the default)"
+                )
         timeout = float(spec.extra_config.get("kvseal_transfer_timeout_s", 10.0))
         self.client = KVSealClient(
             ClientConfig(target=spec.socket(self.rank), transfer_timeout_s=timeout)
