@@ -23,6 +23,7 @@ decide what each group stores and loads; kvseal seals and restores it:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -161,22 +162,28 @@ def test_every_group_is_stored_and_restored_byte_exact(
 
 def _spy_offloads(e: Engine, daemon: Daemon, group: int) -> list[tuple[int, int]]:
     """Record where in the host region each store of ``group``'s pool lands:
-    (first, last) changed byte of every Offload call, read around the real call."""
-    pool = e.worker.pools[group]
-    real = pool.offload
+    (first, last) changed byte of every Offload call, read around the real call.
+    The worker sends a job's groups at the same time; here every pool's
+    Offload takes one lock, so a diff holds one call's bytes only."""
     spans: list[tuple[int, int]] = []
+    lock = threading.Lock()
 
-    def offload(*a: Any, **kw: Any) -> bool:
-        before = np.fromfile(daemon.region, dtype=np.uint8)
-        ok = real(*a, **kw)
-        after = np.fromfile(daemon.region, dtype=np.uint8)
-        n = min(len(before), len(after))
-        diff = np.flatnonzero(before[:n] != after[:n])
-        if len(diff):
-            spans.append((int(diff[0]), int(diff[-1])))
-        return bool(ok)
+    def spy(gi: int, real: Callable[..., bool]) -> Callable[..., bool]:
+        def offload(*a: Any, **kw: Any) -> bool:
+            with lock:
+                before = np.fromfile(daemon.region, dtype=np.uint8)
+                ok = real(*a, **kw)
+                after = np.fromfile(daemon.region, dtype=np.uint8)
+            n = min(len(before), len(after))
+            diff = np.flatnonzero(before[:n] != after[:n])
+            if gi == group and len(diff):
+                spans.append((int(diff[0]), int(diff[-1])))
+            return bool(ok)
 
-    pool.offload = offload  # type: ignore[method-assign]
+        return offload
+
+    for gi, pool in enumerate(e.worker.pools):
+        pool.offload = spy(gi, pool.offload)  # type: ignore[method-assign]
     return spans
 
 
@@ -244,14 +251,12 @@ def test_one_groups_tampered_block_fails_the_whole_load_and_vllm_recomputes(
     req = e.requests["b"]
     assert req.num_computed_tokens == so.num_scheduled_tokens["b"] >= BLOCKS * HBLOCK
     assert e.worker.stats["failed_loads"] == 1
-    # What the failed load left in the pool: nothing of the failed group nor
-    # of any after it (the first failure stops the job). A group restored
-    # before the failed one (verified, the request's own tenant) may have been
-    # written, into blocks vLLM freed uncached and recomputes (above): no
-    # request ever reads them as a hit.
-    for gi, d in enumerate(dst):
-        if gi >= group:
-            assert not _written(e, p, gi, d), gi
+    # What the failed load left in the pool: nothing of the failed group (each
+    # group's Restore is all or nothing). The other groups' parts run at the
+    # same time (kvseal.vllm.worker): one that verified (the request's own
+    # tenant) may have been written, into blocks vLLM freed uncached and
+    # recomputes (above): no request ever reads them as a hit.
+    assert not _written(e, p, group, dst[group]), group
     e.finish_step(so)
     e.run()
     req = e.requests["b"]

@@ -24,7 +24,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -123,6 +124,13 @@ class KVSealOffloadingWorker(OffloadingWorker):
         self._failed_load_jobs: set[int] = set()  # multi-group: reported, for the connector
         self._pending: set[int] = set()
         self._cv = threading.Condition()
+        # A hybrid job's groups go to their pools at once, not one after another:
+        # a load waits for one round trip to the daemon, not one per group. One
+        # executor for loads, one for stores, so a load's groups never wait
+        # behind a store's (the threads below keep loads apart from stores too).
+        n = len(self.layouts) - 1
+        self._load_parts = ThreadPoolExecutor(n, "kvseal-load-part") if n > 0 else None
+        self._store_parts = ThreadPoolExecutor(n, "kvseal-store-part") if n > 0 else None
         self.stats = {
             "stores": 0,
             "loads": 0,
@@ -322,6 +330,9 @@ class KVSealOffloadingWorker(OffloadingWorker):
             q.put(None)
         for t in self._threads:
             t.join(5.0)
+        for ex in (self._load_parts, self._store_parts):
+            if ex is not None:
+                ex.shutdown(wait=False, cancel_futures=True)
         for p in self.pools:
             p.close()
         self.client.close()
@@ -405,14 +416,15 @@ class KVSealOffloadingWorker(OffloadingWorker):
             return job.pages
         sp = job.spec
         if job.store:
-            failed: list[int] = []
-            for p in parts:
-                gid = self.layouts[p.index].group_id
+
+            def store(p: _Part) -> bool:
                 ok = p.pool.offload(sp.tenant, p.hashes, p.pages, p.parent or None, event=job.event)
-                self._count(gid, "stored" if ok else "dropped", len(p.pages))
-                if not ok:
-                    failed.extend(p.pages)
-            return failed
+                self._count(self.layouts[p.index].group_id, "stored" if ok else "dropped",
+                            len(p.pages))  # fmt: skip
+                return ok
+
+            done = _each(self._store_parts, store, parts)
+            return [page for p, ok in zip(parts, done, strict=True) if not ok for page in p.pages]
         if self.multi_group:
             return self._load_groups(job, parts)
         p = parts[0]
@@ -437,20 +449,21 @@ class KVSealOffloadingWorker(OffloadingWorker):
         return job.pages
 
     def _load_groups(self, job: _Job, parts: Sequence[_Part]) -> list[int]:
-        """A hybrid load: every group's part, or the job has failed. The first
-        failure stops the rest (their pages stay unwritten); parts restored
-        before it are written, but vLLM frees the request's blocks uncached
-        when its receive failed, so nothing of it is ever used."""
+        """A hybrid load: every group's part, or the job has failed. The parts
+        run at once, each an all-or-nothing ``Restore`` of its own group (a
+        failed part writes none of its pages); the parts that verified are
+        written even when another failed, but vLLM frees the request's blocks
+        uncached when its receive failed, so nothing of it is ever used."""
         sp = job.spec
-        for p in parts:
-            gid = self.layouts[p.index].group_id
-            wb = self.write_back
-            if p.pool.restore(sp.tenant, p.hashes, p.pages, release=wb, event=job.event):
-                self._count(gid, "restored", len(p.pages))
-                continue
-            self._count(gid, "failed", len(p.pages))
-            return job.pages
-        return []
+
+        def load(p: _Part) -> bool:
+            ok = p.pool.restore(sp.tenant, p.hashes, p.pages, release=self.write_back,
+                                event=job.event)  # fmt: skip
+            self._count(self.layouts[p.index].group_id, "restored" if ok else "failed",
+                        len(p.pages))  # fmt: skip
+            return ok
+
+        return [] if all(_each(self._load_parts, load, parts)) else job.pages
 
     def _count(self, gid: int, what: str, n: int) -> None:
         with self._cv:
@@ -476,6 +489,26 @@ class KVSealOffloadingWorker(OffloadingWorker):
             os.replace(tmp, path)
         except OSError as e:
             log.warning("kvseal: writing %s failed: %s", path, e)
+
+
+def _each(
+    pool: ThreadPoolExecutor | None, fn: Callable[[_Part], bool], parts: Sequence[_Part]
+) -> list[bool]:
+    """``fn`` of every part, in order: the first on the calling thread, the
+    others on ``pool`` at the same time (all on the calling thread without
+    one). ``fn`` never raises (``EnginePool`` calls return False on failure);
+    if it did, the part counts as failed."""
+    if pool is None or len(parts) < 2:
+        return [fn(p) for p in parts]
+    futures = [pool.submit(fn, p) for p in parts[1:]]
+    out = [fn(parts[0])]
+    for f in futures:
+        try:
+            out.append(f.result())
+        except Exception:  # a part that raised has failed; the job reports it
+            log.exception("kvseal: a group's transfer raised")
+            out.append(False)
+    return out
 
 
 def _sizes(spec: GPULoadStoreSpec) -> list[int] | None:
