@@ -115,6 +115,23 @@ def _diff(a: list[list[list[int]]], b: list[list[list[int]]]) -> list[tuple[int,
     return [(t, i) for t in range(len(a)) for i in range(len(a[t])) if a[t][i] != b[t][i]]
 
 
+def _why(seal: dict[str, Any], ref: dict[str, Any], phase: str) -> dict[str, Any]:
+    """What a failed comparison needs to be read: each request's cached tokens
+    in both runs (a hit pattern that differs points at timing: a failed or
+    timed-out restore recomputes) and the kvseal run's worker and daemon counts."""
+    ph = seal["phases"][phase]
+
+    def cached(res: dict[str, Any]) -> list[list[int]]:
+        return [[r["cached"] for r in turn] for turn in res["phases"][phase]["turns"]]
+
+    return {
+        "cached_kvseal": cached(seal),
+        "cached_ref": cached(ref),
+        "worker": ph.get("worker"),
+        "daemon": ph.get("daemon"),
+    }
+
+
 def _cached(res: dict[str, Any], phase: str) -> int:
     return sum(r["cached"] for turn in res["phases"][phase]["turns"] for r in turn)
 
@@ -128,7 +145,7 @@ def test_family_restores_every_group_with_the_engines_tokens(root: Path, family:
 
     # Conversations: the engine's own tokens (vLLM's own offload's, where that
     # differs: module doc), served from the tier.
-    assert _diff(_outs(ref, "main"), _outs(seal, "main")) == []
+    assert _diff(_outs(ref, "main"), _outs(seal, "main")) == [], _why(seal, ref, "main")
     assert _cached(seal, "main") > _cached(base, "main")
     groups = seal["phases"]["main"]["worker"]["groups"]
     assert groups and all(g["stored"] > 0 and g["restored"] > 0 for g in groups.values()), groups
@@ -161,7 +178,7 @@ def test_family_restores_every_group_with_the_engines_tokens(root: Path, family:
         for i, out in enumerate(turn)
         if out not in (alone[ti][i], own[ti][i])
     ]
-    assert odd == [], odd
+    assert odd == [], (odd, _why(seal, ref, "tamper"))
     if family in ANCHORED:
         # How far vLLM's own offload path is from the engine alone on this CPU
         # (module doc): at most a few near-tie requests of each phase's 18.

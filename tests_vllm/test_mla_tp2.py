@@ -114,7 +114,9 @@ def test_one_daemon_for_both_ranks_stores_each_latent_block_once(root: Path) -> 
     res = _run(root, shared=True)
     first, second, cached = _rounds(res)
     assert len(first) == PROMPTS and second == first
-    assert all(c > 0 for c in cached), cached
+    # A round-2 miss: the workers' and daemon's counts say whether a restore
+    # failed (recomputed) or the scheduler never saw the block as a hit.
+    assert all(c > 0 for c in cached), (cached, res["workers"], res["stats"])
     (daemon,) = res["stats"]
     r0, r1 = _groups(res)
     # Stored once: rank 0 wrote every distinct block, rank 1 none.
@@ -140,7 +142,9 @@ def test_a_daemon_per_rank_stores_each_ranks_own_copy(root: Path) -> None:
     res = _run(root, shared=False)
     first, second, cached = _rounds(res)
     assert len(first) == PROMPTS and second == first
-    assert all(c > 0 for c in cached), cached
+    # A round-2 miss: the workers' and daemon's counts say whether a restore
+    # failed (recomputed) or the scheduler never saw the block as a hit.
+    assert all(c > 0 for c in cached), (cached, res["workers"], res["stats"])
     groups = _groups(res)
     for d, g in zip(res["stats"], groups, strict=True):
         # Each rank wrote every distinct block to its own daemon and restored
