@@ -29,9 +29,10 @@ BLOCK_BYTES = BLOCK * KV_BYTES_PER_TOKEN
 HOST_BLOCKS = int(ENGINE_BLOCKS * HOST_FACTOR)
 MAX_LEN = 1536
 ARMS = ("none", "plain", "wt", "wb")
-# Arms asked for by name only (--arms): kvseal offloading at eviction
-# (docs/vllm.md "Offload at eviction").
-MORE_ARMS = ("ev",)
+# Arms asked for by name only (--arms): kvseal offloading at eviction, and
+# write-back over it (docs/vllm.md "Offload at eviction").
+MORE_ARMS = ("ev", "ewb")
+KVSEAL_MODES = ("wt", "wb", "ev", "ewb")  # the arms with a daemon
 # The hybrid model's arms (model.make_hybrid_model): "h-" and a mode of ARMS.
 # Its engine KV cache is smaller in bytes: a cached prefix keeps every
 # full-attention block but only the sliding-window blocks inside the window,
@@ -83,14 +84,15 @@ class Arm:
             "kv_connector_module_path": "kvseal.vllm.connector", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "kvseal_socket": self.daemon.socket, "kvseal_write_back": self.mode == "wb",
-                "kvseal_offload": "eviction" if self.mode == "ev" else "write-through",
+                "kvseal_socket": self.daemon.socket,
+                "kvseal_write_back": self.mode in ("wb", "ewb"),
+                "kvseal_offload": "eviction" if self.mode in ("ev", "ewb") else "write-through",
             },
         }  # fmt: skip
 
     def start(self) -> float:
         t0 = time.monotonic()
-        if self.mode in ("wt", "wb", "ev"):
+        if self.mode in KVSEAL_MODES:
             # Llama: host region sized to HOST_BLOCKS sealed blocks (ciphertext +
             # tag); hybrid: the anchor's bytes exactly (tokens per tier byte).
             host = self.tier_bytes if self.hybrid else HOST_BLOCKS * (BLOCK_BYTES + 64)

@@ -18,6 +18,7 @@ from typing import Any
 
 NAMES = {"none": "no offload", "plain": "plaintext anchor", "wt": "kvseal write-through",
          "wb": "kvseal write-back", "ev": "kvseal offload at eviction",
+         "ewb": "kvseal write-back over eviction",
          "sg-none": "SGLang, no offload",
          "sg-wt": "SGLang + kvseal write-through", "h-none": "hybrid, no offload",
          "h-plain": "hybrid, plaintext anchor",
@@ -135,7 +136,39 @@ def tables(res: dict[str, Any]) -> list[str]:
             out += ["", f"**{title}**", "", *_workload_table(res, arms, wl)]
     if any(_points(res, a, SALTED) for a in arms):
         out += _salted_tables(res, arms)
-    return out + tier_table(res)
+    return out + tier_table(res) + sealed_table(res)
+
+
+def sealed_table(res: dict[str, Any]) -> list[str]:
+    """Bytes sealed per prompt token served, per kvseal arm and workload: the
+    daemon's offloaded blocks (plaintext bytes of each) over the prompt tokens
+    of the workload's points, and the share of those tokens the tier served.
+    Write-through seals every computed block; offload at eviction only what
+    the engine was about to lose."""
+    bb = int(res.get("kv_bytes_per_token") or 0) * int(res.get("block_tokens") or 0)
+    rows = []
+    for a, r in res["arms"].items():
+        by_wl: dict[str, list[dict[str, Any]]] = {}
+        for p in r.get("points", []):
+            if p.get("offloaded_blocks") is not None and not a.startswith("h-"):
+                by_wl.setdefault(p["workload"], []).append(p)
+        for wl, pts in by_wl.items():
+            prompt = sum(p["prompt_tokens"] for p in pts)
+            sealed = sum(p["offloaded_blocks"] for p in pts)
+            tier = sum(p["cached_tier"] * p["prompt_tokens"] for p in pts)
+            rows.append((a, wl, sealed, prompt, tier))
+    if not rows or not bb:
+        return []
+    out = ["", "**Bytes sealed per prompt token** (all points of a workload; a block is"
+           f" {bb:,} bytes of KV)", "",
+           "| arm | workload | blocks sealed | prompt tokens | sealed bytes per prompt token"
+           " | served from the tier |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for a, wl, sealed, prompt, tier in rows:
+        per = sealed * bb / prompt if prompt else 0.0
+        share = tier / prompt if prompt else 0.0
+        out.append(f"| {NAMES.get(a, a)} | {wl} | {sealed:,} | {prompt:,} | {per:,.0f} |"
+                   f" {share:.0%} |")  # fmt: skip
+    return out
 
 
 def _workload_table(res: dict[str, Any], arms: list[str], wl: str) -> list[str]:
