@@ -20,7 +20,8 @@ NAMES = {"none": "no offload", "plain": "plaintext anchor", "wt": "kvseal write-
          "wb": "kvseal write-back", "ev": "kvseal offload at eviction",
          "ewb": "kvseal write-back over eviction",
          "sg-none": "SGLang, no offload",
-         "sg-wt": "SGLang + kvseal write-through", "h-none": "hybrid, no offload",
+         "sg-wt": "SGLang + kvseal write-through",
+         "sg-ev": "SGLang + kvseal offload at eviction", "h-none": "hybrid, no offload",
          "h-plain": "hybrid, plaintext anchor",
          "h-wt": "hybrid, kvseal write-through"}  # fmt: skip
 BASELINES = ("none", "sg-none", "h-none")  # arms with no second tier

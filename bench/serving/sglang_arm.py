@@ -2,14 +2,17 @@
 engine, the same local model and word-level tokenizer as the vLLM arms), driven
 by the same OpenAI-completions client and workloads (bench/serving/run.py).
 
-Arms: ``sg-none`` (SGLang's own radix cache only) and ``sg-wt`` (kvseal's
+Arms: ``sg-none`` (SGLang's own radix cache only), ``sg-wt`` (kvseal's
 linker, write-through: the only policy SGLang 0.5.23 offers a direct linker,
-docs/sglang.md "Write-back"), with a real daemon whose host tier has the vLLM
-arms' size. SGLang's engine KV is the vLLM arms' (4,096 tokens in pages of
-32), its prompt-cache report (``--enable-cache-report``) gives each request's
-cached tokens; which tier served them comes from the daemon's restored
-blocks (SGLang exports no external-hit counter): ``cached_tier`` is restored
-blocks x block tokens over prompt tokens, ``cached_engine`` the rest.
+docs/sglang.md "Write-back") and ``sg-ev`` (kvseal's linker with
+``offload_policy: "evict"``: a page is sealed when SGLang evicts it,
+docs/sglang.md "Offload at eviction"), each kvseal arm with a real daemon
+whose host tier has the vLLM arms' size. SGLang's engine KV is the vLLM
+arms' (4,096 tokens in pages of 32), its prompt-cache report
+(``--enable-cache-report``) gives each request's cached tokens; which tier
+served them comes from the daemon's restored blocks (SGLang exports no
+external-hit counter): ``cached_tier`` is restored blocks x block tokens
+over prompt tokens, ``cached_engine`` the rest.
 
 Runs from the SGLang venv (``make bench-serving-sglang``).
 """
@@ -34,7 +37,7 @@ from bench.serving.arms import (
 )
 from tests_vllm.daemon import Daemon
 
-SGLANG_ARMS = ("sg-none", "sg-wt")
+SGLANG_ARMS = ("sg-none", "sg-wt", "sg-ev")
 STUB = ROOT / "tests_sglang" / "stub"
 
 
@@ -52,13 +55,16 @@ class SGLangArm(Arm):
             "--max-running-requests", "8", "--disable-overlap-schedule",
             "--enable-cache-report", "--random-seed", "0", "--log-level", "warning",
         ]  # fmt: skip
-        if self.name == "sg-wt":
+        if self.name in ("sg-wt", "sg-ev"):
             self.daemon = Daemon(
                 self.work / "daemon", host_bytes=str(HOST_BLOCKS * BLOCK_BYTES)
             ).start()
             cfg = {
                 "linker": "KVSealLinker", "linker_module_path": "kvseal.sglang.linker",
-                "linker_extra_config": {"socket": self.daemon.socket, "staging_bytes": 64 << 20},
+                "linker_extra_config": {
+                    "socket": self.daemon.socket, "staging_bytes": 64 << 20,
+                    "offload_policy": "evict" if self.name == "sg-ev" else "write_through",
+                },
             }  # fmt: skip
             args += [
                 "--enable-unified-cache-external-linker",
