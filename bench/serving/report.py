@@ -360,7 +360,35 @@ def goals(res: dict[str, Any]) -> list[str]:
             st = q["cached_engine"] + q["cached_tier"]
             row("write-back caches more than write-through", p, f"{sb:.0%} vs {st:.0%}", sb > st)
     out += _hybrid_goals(res, row)
+    _evict_goals(res, row)
     return out
+
+
+def _evict_goals(res: dict[str, Any], row: Any) -> None:
+    """Issue 29's goals for the modes that seal at eviction (``ev``, ``ewb``,
+    ``sg-ev``): *fits* costs at most 1% against no offload (and is no worse
+    than the plaintext anchor) and seals nothing; write-back over eviction
+    caches at least what write-through caches on conversations. Rows go
+    through ``row`` into goals' table."""
+    for a in ("ev", "ewb", "sg-ev"):
+        for p in _points(res, a, "fits"):
+            b, pl = _match(res, _base(a), p), _match(res, "plain", p)
+            if b and b["req_s"]:
+                loss = 1 - p["req_s"] / b["req_s"]
+                row(f"{a}: fits costs <= 1%", p, f"{loss:+.1%}", loss <= 0.01)
+            if pl and pl["req_s"] and not a.startswith("sg-"):
+                r = p["req_s"] / pl["req_s"]
+                row(f"{a}: fits at least the plaintext anchor", p, f"{r:.3f}x", r >= 1.0)
+            n = p.get("offloaded_blocks")
+            row(f"{a}: fits seals nothing", p, f"{n} blocks", n == 0)
+    for a, ref in (("ewb", "wt"), ("ev", "wt"), ("sg-ev", "sg-wt")):
+        for p in _points(res, a, "conv"):
+            q = _match(res, ref, p)
+            if q is not None:
+                sa = p["cached_engine"] + p["cached_tier"]
+                sr = q["cached_engine"] + q["cached_tier"]
+                row(f"{a}: caches at least what {ref} caches", p, f"{sa:.0%} vs {sr:.0%}",
+                    sa >= sr)  # fmt: skip
 
 
 def _hybrid_goals(res: dict[str, Any], row: Any) -> list[str]:
