@@ -61,6 +61,35 @@ serving-report-hybrid: venv-vllm
 	$(VLLM_PY) -m bench.serving.report $(SERVING_HYBRID_RESULTS) --md docs/serving.md \
 	  --section hybrid-tables
 
+# Offload at eviction (issue 29; docs/serving.md "Offload at eviction"): the
+# fits and conversation workloads with no offload, the plaintext anchor,
+# kvseal write-through, offload at eviction and write-back over it (none,
+# plain, wt, ev, ewb) on vLLM; SGLang's no offload, write-through and offload
+# at eviction (sg-none, sg-wt, sg-ev) from the SGLang venv. Each into its own
+# results file.
+#
+#   make bench-serving-evict            the vLLM arms (about 40 minutes on 2 cores)
+#   make bench-serving-evict-sglang     the SGLang arms (about 25 minutes on 2 cores)
+#   make serving-report-evict           docs/serving.md's eviction tables (both files)
+SERVING_EVICT_RESULTS ?= docs/serving-evict-results.json
+SERVING_EVICT_SGLANG_RESULTS ?= docs/serving-evict-sglang-results.json
+
+.PHONY: bench-serving-evict bench-serving-evict-sglang serving-report-evict
+
+bench-serving-evict: venv-vllm
+	$(VLLM_PY) -m bench.serving.run --work $(SERVING_WORK)-evict \
+	  --arms none,plain,wt,ev,ewb --workloads fits,conv --out $(SERVING_EVICT_RESULTS) $(ARGS)
+
+bench-serving-evict-sglang: venv-sglang
+	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m bench.serving.run --work $(SERVING_WORK)-evict-sglang \
+	  --arms sg-none,sg-wt,sg-ev --workloads fits,conv --out $(SERVING_EVICT_SGLANG_RESULTS) $(ARGS)
+
+serving-report-evict: venv-vllm
+	$(VLLM_PY) -m bench.serving.report $(SERVING_EVICT_RESULTS) --md docs/serving.md \
+	  --section evict-tables
+	$(VLLM_PY) -m bench.serving.report $(SERVING_EVICT_SGLANG_RESULTS) --md docs/serving.md \
+	  --section evict-sglang-tables
+
 # The sealed store tier (docs/store.md) at its two serving points, restart-warm
 # and second replica (bench/serving/store_points.py: kvseal write-through with
 # --store-dir and a file: key against a restarted no-offload engine, one engine
