@@ -181,7 +181,12 @@ def test_family_restores_every_group_with_the_engines_tokens(root: Path, family:
     assert odd == [], (odd, _why(seal, ref, "tamper"))
     if family in ANCHORED:
         # How far vLLM's own offload path is from the engine alone on this CPU
-        # (module doc): at most a few near-tie requests of each phase's 18.
+        # (module doc): a third of each phase's 18 requests at most. Not a
+        # kvseal property (kvseal is held to the anchor's tokens above), a
+        # canary for a change of vLLM's: the MLA path has differed in 4 (a
+        # fresh clone at load 7-30), one of them a first turn with no cached
+        # token in either run, so the connector's mere presence (how vLLM
+        # schedules the steps) moves near-ties, not only a restore.
         for phase in ("main", "tamper"):
             anchored = _diff(_outs(base, phase), _outs(ref, phase))
-            assert len(anchored) <= 3, (phase, anchored)
+            assert len(anchored) <= 6, (phase, anchored)
