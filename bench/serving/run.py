@@ -228,11 +228,16 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
         # Per-token costs: three rounds, arm after arm, each arm's median kept
         # (a single cold prefill swings with the machine's load).
         rounds: dict[str, list[dict[str, float]]] = {a.name: [] for a in arms}
-        for k in range(pl.get("cost_rounds") or (1 if pl.get("quick") else 3)):
+        n_costs = pl.get("cost_rounds")
+        if n_costs is None:
+            n_costs = 1 if pl.get("quick") else 3
+        # 0: none, e.g. for a fits-only run, whose engines must start with nothing
+        # to evict (a cost round's flood fills the engine's cache).
+        for k in range(n_costs):
             for arm in arms:
                 rounds[arm.name].append(per_token_costs(arm, 99 - k))
                 arm.check_alive()
-        for arm in arms:
+        for arm in arms if n_costs else ():
             rs = rounds[arm.name]
             r = res["arms"][arm.name]
             r["costs"] = {key: statistics.median(x[key] for x in rs) for key in rs[0]}
@@ -303,7 +308,7 @@ def main() -> None:
         "--cost-rounds",
         type=int,
         default=None,
-        help="rounds of the per-token costs (default 3; 1 with --quick)",
+        help="rounds of the per-token costs (default 3; 1 with --quick; 0: none)",
     )
     ap.add_argument("--work", default=str(ROOT / "build" / "bench-serving"))
     ap.add_argument("--out", default=None, help="results JSON (default: WORK/results.json)")
