@@ -84,11 +84,16 @@ bench-serving-evict-sglang: venv-sglang
 	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m bench.serving.run --work $(SERVING_WORK)-evict-sglang \
 	  --arms sg-none,sg-wt,sg-ev --workloads fits,conv --out $(SERVING_EVICT_SGLANG_RESULTS) $(ARGS)
 
+# A fits run on fresh engines (make bench-serving-evict ARGS="--workloads fits
+# --cost-rounds 0 --out $(SERVING_EVICT_FITS_RESULTS)") replaces run 1's fits points.
+SERVING_EVICT_FITS_RESULTS ?= docs/serving-evict-fits-results.json
+
 serving-report-evict: venv-vllm
-	$(VLLM_PY) -m bench.serving.report $(SERVING_EVICT_RESULTS) --md docs/serving.md \
-	  --section evict-tables
-	$(VLLM_PY) -m bench.serving.report $(SERVING_EVICT_SGLANG_RESULTS) --md docs/serving.md \
-	  --section evict-sglang-tables
+	$(VLLM_PY) -m bench.serving.report $(SERVING_EVICT_RESULTS) \
+	  $(wildcard $(SERVING_EVICT_FITS_RESULTS)) --md docs/serving.md --section evict-tables
+	if [ -f $(SERVING_EVICT_SGLANG_RESULTS) ]; then \
+	  $(VLLM_PY) -m bench.serving.report $(SERVING_EVICT_SGLANG_RESULTS) --md docs/serving.md \
+	    --section evict-sglang-tables; fi
 
 # The sealed store tier (docs/store.md) at its two serving points, restart-warm
 # and second replica (bench/serving/store_points.py: kvseal write-through with
