@@ -148,10 +148,11 @@ def sealed_table(res: dict[str, Any]) -> list[str]:
     the engine was about to lose."""
     bb = int(res.get("kv_bytes_per_token") or 0) * int(res.get("block_tokens") or 0)
     rows = []
-    for a, r in res["arms"].items():
+    # Hybrid arms' blocks are another size (a group's block, not the Llama's).
+    for a, r in ((a, r) for a, r in res["arms"].items() if not a.startswith("h-")):
         by_wl: dict[str, list[dict[str, Any]]] = {}
         for p in r.get("points", []):
-            if p.get("offloaded_blocks") is not None and not a.startswith("h-"):
+            if p.get("offloaded_blocks") is not None:
                 by_wl.setdefault(p["workload"], []).append(p)
         for wl, pts in by_wl.items():
             prompt = sum(p["prompt_tokens"] for p in pts)
