@@ -43,6 +43,16 @@ KVSEAL_MODES = ("wt", "wb", "ev", "ewb")  # the arms with a daemon
 HYBRID_ARMS = ("h-none", "h-plain", "h-wt")
 HYBRID_ENGINE_BYTES = 7 << 20
 HYBRID_HOST_BYTES = int(HYBRID_ENGINE_BYTES * HOST_FACTOR)
+# A run's changes to the engine shape (bench/serving/run.py: --host-factor,
+# --max-batched-tokens), the same for every arm of the run: "host_blocks" (the
+# Llama arms' tier) and "max_batched_tokens" (vLLM's per-step budget; unset,
+# vLLM's default, which on this engine lets one step allocate the whole cache).
+SHAPE: dict[str, int] = {}
+
+
+def host_blocks() -> int:
+    """The Llama arms' host tier in blocks: HOST_BLOCKS unless the run set it."""
+    return SHAPE.get("host_blocks", HOST_BLOCKS)
 
 
 def free_port() -> int:
@@ -59,7 +69,7 @@ class Arm:
         self.hybrid = hybrid  # the hybrid model (HYBRID_ARMS): its engine and tier bytes
         self.engine_bytes = HYBRID_ENGINE_BYTES if hybrid else ENGINE_BLOCKS * BLOCK_BYTES
         # Llama arms: HOST_BLOCKS blocks, kvseal's each with its 64 sealed bytes more.
-        self.tier_bytes = HYBRID_HOST_BYTES if hybrid else HOST_BLOCKS * BLOCK_BYTES
+        self.tier_bytes = HYBRID_HOST_BYTES if hybrid else host_blocks() * BLOCK_BYTES
         self.work.mkdir(parents=True, exist_ok=True)
         self.daemon: Daemon | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -95,7 +105,7 @@ class Arm:
         if self.mode in KVSEAL_MODES:
             # Llama: host region sized to HOST_BLOCKS sealed blocks (ciphertext +
             # tag); hybrid: the anchor's bytes exactly (tokens per tier byte).
-            host = self.tier_bytes if self.hybrid else HOST_BLOCKS * (BLOCK_BYTES + 64)
+            host = self.tier_bytes if self.hybrid else host_blocks() * (BLOCK_BYTES + 64)
             self.daemon = Daemon(
                 self.work / "daemon", extra=self.daemon_extra(), host_bytes=str(host)
             ).start()
@@ -107,6 +117,8 @@ class Arm:
             "--kv-cache-memory-bytes", str(self.engine_bytes),
             "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
         ]  # fmt: skip
+        if "max_batched_tokens" in SHAPE:
+            args += ["--max-num-batched-tokens", str(SHAPE["max_batched_tokens"])]
         kt = self.kv_transfer()
         if kt is not None:
             args += ["--kv-transfer-config", json.dumps(kt)]

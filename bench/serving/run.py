@@ -39,11 +39,12 @@ from bench.serving.arms import (  # noqa: E402
     ARMS,
     BLOCK,
     ENGINE_BLOCKS,
-    HOST_BLOCKS,
     HYBRID_ARMS,
     HYBRID_ENGINE_BYTES,
     HYBRID_HOST_BYTES,
+    SHAPE,
     Arm,
+    host_blocks,
     stop_arms,
 )
 from bench.serving.model import KV_BYTES_PER_TOKEN, make_hybrid_model, make_model  # noqa: E402
@@ -310,6 +311,25 @@ def main() -> None:
         default=None,
         help="rounds of the per-token costs (default 3; 1 with --quick; 0: none)",
     )
+    ap.add_argument(
+        "--fits-rounds",
+        type=int,
+        default=None,
+        help="run the fits point this many times, same prompts (the report takes medians)",
+    )
+    ap.add_argument("--conv-gaps", default=None, help="conversation gaps in seconds, e.g. 6")
+    ap.add_argument(
+        "--host-factor",
+        type=float,
+        default=None,
+        help="the Llama arms' host tier / engine KV (default 2.4, the seed's ratio)",
+    )
+    ap.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="vLLM's --max-num-batched-tokens for every vLLM arm (default: vLLM's)",
+    )
     ap.add_argument("--work", default=str(ROOT / "build" / "bench-serving"))
     ap.add_argument("--out", default=None, help="results JSON (default: WORK/results.json)")
     args = ap.parse_args()
@@ -320,16 +340,25 @@ def main() -> None:
         pl["llmd"]["rates"] = [float(r) for r in args.rates.split(",")]
     if args.llmd_per_group:
         pl["llmd"]["per_group"] = args.llmd_per_group
+    if args.fits_rounds:
+        pl["fits"]["rounds"] = args.fits_rounds
+    if args.conv_gaps:
+        pl["conv"]["gaps"] = [float(g) for g in args.conv_gaps.split(",")]
+    if args.host_factor:
+        SHAPE["host_blocks"] = int(ENGINE_BLOCKS * args.host_factor)
+    if args.max_batched_tokens:
+        SHAPE["max_batched_tokens"] = args.max_batched_tokens
+    pl["shape"] = dict(SHAPE)
     pl["cost_rounds"] = args.cost_rounds
     pl["workloads"] = args.workloads.split(",")
     pl["quick"] = args.quick
     res: dict[str, Any] = {
         "quick": args.quick, "plan": pl, "cpus": os.cpu_count(),
-        "engine_blocks": ENGINE_BLOCKS, "host_blocks": HOST_BLOCKS, "block_tokens": BLOCK,
+        "engine_blocks": ENGINE_BLOCKS, "host_blocks": host_blocks(), "block_tokens": BLOCK,
         "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "arms": {},
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }  # fmt: skip
-    log(f"engine KV {ENGINE_BLOCKS} blocks x {BLOCK} tokens, host tier {HOST_BLOCKS} blocks,"
+    log(f"engine KV {ENGINE_BLOCKS} blocks x {BLOCK} tokens, host tier {host_blocks()} blocks,"
         f" KV {KV_BYTES_PER_TOKEN} B/token (the Llama's; hybrid arms: engine KV"
         f" {HYBRID_ENGINE_BYTES} B, tier {HYBRID_HOST_BYTES} B)")  # fmt: skip
     run_arms(args.arms.split(","), model, work, pl, res,

@@ -30,10 +30,10 @@ from bench.serving.arms import (
     BLOCK,
     BLOCK_BYTES,
     ENGINE_BLOCKS,
-    HOST_BLOCKS,
     MAX_LEN,
     ROOT,
     Arm,
+    host_blocks,
 )
 from tests_vllm.daemon import Daemon
 
@@ -57,7 +57,7 @@ class SGLangArm(Arm):
         ]  # fmt: skip
         if self.name in ("sg-wt", "sg-ev"):
             self.daemon = Daemon(
-                self.work / "daemon", host_bytes=str(HOST_BLOCKS * BLOCK_BYTES)
+                self.work / "daemon", host_bytes=str(host_blocks() * BLOCK_BYTES)
             ).start()
             cfg = {
                 "linker": "KVSealLinker", "linker_module_path": "kvseal.sglang.linker",

@@ -356,6 +356,9 @@ def workload_points(pl: dict[str, Any]) -> list[tuple[str, str, float, Any]]:
     if "fits" in wls:
         prompts = llmd_requests(3000, F["groups"], F["per_group"], F["prefix"],
                                 F["question"], F["passes"])  # fmt: skip
-        pts.append(("fits", "rate", F["rate"], lambda cl, p=prompts: run_poisson(
-            cl, p, len(p), F["rate"], F["out"], 7)))  # fmt: skip
+        # Rounds (--fits-rounds) repeat the same prompts: the working set stays
+        # the one that fits, and the report takes each arm's median round.
+        for _ in range(F.get("rounds", 1)):
+            pts.append(("fits", "rate", F["rate"], lambda cl, p=prompts: run_poisson(
+                cl, p, len(p), F["rate"], F["out"], 7)))  # fmt: skip
     return pts
