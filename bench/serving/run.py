@@ -317,6 +317,12 @@ def main() -> None:
         default=None,
         help="run the fits point this many times, same prompts (the report takes medians)",
     )
+    ap.add_argument(
+        "--fits-question",
+        type=int,
+        default=None,
+        help="tokens after the fits prefix (default 32: the prompt ends on a block boundary)",
+    )
     ap.add_argument("--conv-gaps", default=None, help="conversation gaps in seconds, e.g. 6")
     ap.add_argument(
         "--host-factor",
@@ -342,6 +348,8 @@ def main() -> None:
         pl["llmd"]["per_group"] = args.llmd_per_group
     if args.fits_rounds:
         pl["fits"]["rounds"] = args.fits_rounds
+    if args.fits_question:
+        pl["fits"]["question"] = args.fits_question
     if args.conv_gaps:
         pl["conv"]["gaps"] = [float(g) for g in args.conv_gaps.split(",")]
     if args.host_factor:
