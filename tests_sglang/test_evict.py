@@ -185,6 +185,54 @@ def test_evicted_pages_are_sealed_and_reused_memory_does_not_reach_them(daemon: 
         tree.close()
 
 
+def test_write_back_keeps_each_page_in_one_tier(daemon: Daemon) -> None:
+    """``write_back: true``: the restore releases the pages' host copies (the
+    daemon frees them, the mirror drops them at once), so the tier no longer
+    offers them; the restored node is in SGLang's pool alone, and its next
+    eviction seals it again (it changed tier), with the same bytes."""
+    tree = Tree(daemon.socket, offload_policy="evict", write_back=True)
+    try:
+        assert tree.linker.offload_mode == "evict" and tree.linker.write_back
+        ids = prompt(7, 3 * PAGE)
+        before = daemon.stats()
+        slots = tree.insert(ids)
+        want = [t[slots].clone() for t in tree.tensors]
+        tree.cache.evict(EvictParams(num_tokens=3 * PAGE))
+        tree.linker.evict_sealer.drain()  # type: ignore[union-attr]
+        assert daemon.stats()["offloaded_blocks"] == before["offloaded_blocks"] + 3
+        assert _eventually(lambda: tree.match([*ids, 5], "w0")[0] == 3 * PAGE)
+        _, keys = tree.match([*ids, 5], "w1")
+        ok, back = tree.load("w1", keys)
+        assert ok and tree.linker.stats["released_pages"] == 3
+        for t, w in zip(tree.tensors, want, strict=True):
+            assert torch.equal(t[back], w)
+        st = daemon.stats()
+        assert st["blocks_ready"] == before["blocks_ready"]  # the 3 are gone from the tier
+        assert tree.match([*ids, 5], "w2")[0] == 0  # one tier: SGLang's pool alone
+        # In SGLang's pool again (inserted like computed KV); its eviction seals it again.
+        tree.insert(ids, value=back)
+        tree.cache.evict(EvictParams(num_tokens=3 * PAGE))
+        tree.linker.evict_sealer.drain()  # type: ignore[union-attr]
+        assert tree.linker.stats["evict_sealed_pages"] == 6
+        assert tree.linker.stats["evict_held_pages"] == 0
+        assert daemon.stats()["offloaded_blocks"] == before["offloaded_blocks"] + 6
+        assert _eventually(lambda: tree.match([*ids, 5], "w3")[0] == 3 * PAGE)
+        _, keys = tree.match([*ids, 5], "w4")
+        ok, again = tree.load("w4", keys)
+        assert ok
+        for t, w in zip(tree.tensors, want, strict=True):
+            assert torch.equal(t[again], w)
+    finally:
+        tree.close()
+
+
+def test_write_back_needs_offload_at_eviction(daemon: Daemon) -> None:
+    with pytest.raises(ValueError, match='write_back needs offload_policy "evict"'):
+        make_linker(mha_pool(), daemon.socket, write_back=True)
+    with pytest.raises(ValueError, match="write_back must be true or false"):
+        make_linker(mha_pool(), daemon.socket, offload_policy="evict", write_back="yes")
+
+
 def test_evicted_pages_keep_their_tenant(daemon: Daemon) -> None:
     """A node inserted under ``cache_salt`` is sealed as that tenant's at
     eviction: that salt finds it, another does not."""
@@ -256,6 +304,22 @@ def test_hook_that_does_not_fit_falls_back_to_write_through(
         tree.insert(prompt(5, 2 * PAGE))
         tree.settle_offloads(1)
         assert daemon.stats()["offloaded_blocks"] == before + 2
+    finally:
+        tree.close()
+    # write_back with the fallback: write-through never offers a page again,
+    # so a restore must not release it.
+    tree = Tree(daemon.socket, offload_policy="evict", write_back=True)
+    try:
+        assert tree.linker.offload_mode == "write_through"
+        ids = prompt(6, 2 * PAGE)
+        tree.insert(ids)
+        tree.settle_offloads(1)
+        tree.cache.evict(EvictParams(num_tokens=2 * PAGE))  # the tier alone holds it
+        assert _eventually(lambda: tree.match([*ids, 5], "f0")[0] == 2 * PAGE)
+        _, keys = tree.match([*ids, 5], "f1")
+        ok, _ = tree.load("f1", keys)
+        assert ok and tree.linker.stats["released_pages"] == 0
+        assert tree.match([*ids, 5], "f2")[0] == 2 * PAGE  # still in the tier
     finally:
         tree.close()
 
@@ -375,4 +439,51 @@ def test_server_overflow_seals_at_eviction_and_restores_identically(
     later = slice(len(WORKLOAD), None)
     kv_cached = sum(r["cached"] for r in run["work"][later])
     assert kv_cached > sum(r["cached"] for r in baseline["work"][later])
+    assert kv_cached >= (ROUNDS - 1) * len(WORKLOAD) * _cacheable(160) // 2
+
+
+@pytest.fixture(scope="module")
+def write_back_run(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = Daemon(tmp_path_factory.mktemp("daemon-wb"), host_bytes="64MiB").start()
+    srv = Server(
+        model, tmp_path_factory.mktemp("sglang-wb"), kv_tokens=KV_TOKENS, page_size=PAGE,
+        kvseal_socket=d.socket,
+        linker={"offload_policy": "evict", "write_back": True, "staging_bytes": 4 << 20,
+                "transfer_timeout_s": 5},
+    )  # fmt: skip
+    srv.start()
+    try:
+        out = _phases(srv, d)
+        out["log"] = srv.log_path.read_text()
+        return out
+    finally:
+        srv.stop()
+        d.stop()
+
+
+def test_server_write_back_one_tier_per_page_identical_tokens(
+    baseline: dict[str, Any],
+    evict_run: tuple[dict[str, Any], Server],
+    write_back_run: dict[str, Any],
+) -> None:
+    """``write_back: true`` on the real server, same workload: every greedy
+    token identical to SGLang alone's; a restored page leaves the tier (the
+    daemon ends holding fewer blocks than offload at eviction alone, which
+    keeps a restored page in both tiers) and is sealed again at its next
+    eviction (more seals than pages), and it caches as much as eviction
+    alone's bound."""
+    wb = write_back_run
+    assert "with write-back (a restore releases the host copy)" in wb["log"]
+    assert [r["ids"] for r in wb["fits"]] == [r["ids"] for r in baseline["fits"]]
+    assert all(r["status"] == 200 for r in wb["work"])
+    assert [r["ids"] for r in wb["work"]] == [r["ids"] for r in baseline["work"]]
+    end, fits = wb["end"], wb["after_fits"]
+    assert fits["offloaded_blocks"] == 0 and end["integrity_failures"] == 0
+    assert end["restored_blocks"] > 0
+    pages = len(WORKLOAD) * -(-(160 + MAX_NEW) // PAGE) + len(FITS) * -(-(96 + MAX_NEW) // PAGE)
+    assert end["offloaded_blocks"] > pages  # sealed again after a release
+    ev_end = evict_run[0]["end"]
+    assert end["blocks_ready"] < ev_end["blocks_ready"]
+    later = slice(len(WORKLOAD), None)
+    kv_cached = sum(r["cached"] for r in wb["work"][later])
     assert kv_cached >= (ROUNDS - 1) * len(WORKLOAD) * _cacheable(160) // 2

@@ -28,7 +28,10 @@ counters once per step. How kvseal answers each (docs/sglang.md has the table):
   nothing is offloaded on insert; a node's pages are copied into staging
   when SGLang evicts it (before it frees the slots) and sealed from there.
   Where the hooks do not fit this SGLang or this model, the linker logs why
-  and runs write-through (``offload_mode`` says which runs).
+  and runs write-through (``offload_mode`` says which runs). With
+  ``write_back: true`` as well, each page is in one tier: a restore releases
+  the pages' host copies, and the restored node, a device node like any
+  other to SGLang's tree, is sealed again when it is next evicted.
 
 Hybrid models: each component SGLang hands the linker (``kv``, and ``swa``
 or ``mamba``; :mod:`kvseal.sglang.pools`) is its own kvseal pool
@@ -90,6 +93,8 @@ OPTIONS = {
     "offload_policy": '"write_through" (default: every inserted page) or "evict" '
     "(a page is sealed when SGLang evicts it)",
     "evict_wait_s": "how long an eviction waits for free staging blocks (default 1)",
+    "write_back": "true: each page in one tier (a restore releases the host copy, the "
+    'page is sealed again at its next eviction); needs offload_policy "evict" (default false)',
 }
 OFFLOAD_POLICIES = ("write_through", "evict")
 REQ_TENANTS = 1 << 16  # requests whose tenant is remembered between match and load
@@ -134,6 +139,17 @@ class KVSealLinker(UnifiedCacheLinker):
                 f"not {self.offload_policy!r}"
             )
         self._evict_wait = float(extra.get("evict_wait_s", 1.0))
+        wb = extra.get("write_back", False)
+        if not isinstance(wb, bool):
+            raise ValueError(f"kvseal linker: write_back must be true or false, not {wb!r}")
+        if wb and self.offload_policy != "evict":
+            # SGLang offers a page on insert only: a page released at restore
+            # would never be sealed again under write-through.
+            raise ValueError(
+                'kvseal linker: write_back needs offload_policy "evict" (under write-through '
+                "a released page is never offered again)"
+            )
+        self.write_back = wb
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
@@ -169,7 +185,8 @@ class KVSealLinker(UnifiedCacheLinker):
         label = f"{extra.get('deployment_label') or model}/tp{tp_rank}of{tp_size}"
         self.stats = {"lookups": 0, "hit_pages": 0, "loads": 0, "load_failures": 0,
                       "offloads": 0, "offload_failures": 0, "skipped_pages": 0,
-                      "staging_waits_expired": 0, "offloads_deduplicated": 0}  # fmt: skip
+                      "staging_waits_expired": 0, "offloads_deduplicated": 0,
+                      "released_pages": 0}  # fmt: skip
         staging_bytes = int(extra.get("staging_bytes", 256 << 20))
         self.tiers: dict[str, ComponentTier] = {}
         for c in comps:
@@ -202,6 +219,13 @@ class KVSealLinker(UnifiedCacheLinker):
         self.offload_owner = (
             not kvt.component.rank_replicated or tp_rank == 0 or "{rank}" in sock_template
         )
+        if self.write_back and kvt.component.rank_replicated and "{rank}" not in sock_template:
+            # Every rank restores rank 0's latent: the first restore's release
+            # would take it from the others.
+            raise ValueError(
+                "kvseal linker: write_back with MLA on a daemon all ranks share is not "
+                "supported (put {rank} in socket, or leave write_back off)"
+            )
         self.pools: dict[PoolName, object] = {PoolName.KV: kvcache}
         if pools.SWA in self.tiers:
             self.pools[PoolName.SWA] = kvcache.swa_kv_pool
@@ -299,9 +323,10 @@ class KVSealLinker(UnifiedCacheLinker):
         )
         self.offload_mode = "evict"
         log.info(
-            "kvseal linker: rank %d: offload at eviction: nothing is sealed on insert, "
+            "kvseal linker: rank %d: offload at eviction%s: nothing is sealed on insert, "
             "a page is sealed when SGLang evicts it",
             self.rank,
+            " with write-back (a restore releases the host copy)" if self.write_back else "",
         )
 
     # ------------------------------------------------------------ tenants
@@ -454,7 +479,13 @@ class KVSealLinker(UnifiedCacheLinker):
         verified = self.load_mode == "verified"
         budget = self._load_timeout if verified else self.client.config.transfer_timeout_s
         deadline = time.monotonic() + budget
-        return all(tier.restore(tenant, hashes, idx, deadline) for tier, hashes, idx in jobs)
+        # Write-back only once eviction mode runs: after a fallback to
+        # write-through nothing would seal a released page again.
+        release = self.write_back and self.offload_mode == "evict"
+        return all(
+            tier.restore(tenant, hashes, idx, deadline, release=release)
+            for tier, hashes, idx in jobs
+        )
 
     # ------------------------------------------------------------ offload
 

@@ -138,14 +138,19 @@ class ComponentTier:
 
     # ------------------------------------------------------------ transfers
 
-    def restore(self, tenant: bytes, hashes: list[bytes], idx: Any, deadline: float) -> bool:
+    def restore(
+        self, tenant: bytes, hashes: list[bytes], idx: Any, deadline: float, release: bool = False
+    ) -> bool:
         """Restore ``hashes`` into SGLang's pages ``idx`` through staging, in
         chunks of the free staging blocks, all by ``deadline`` (monotonic; the
         wait for staging blocks included: an offload may hold them for a whole
         offload RPC). True: every page holds its verified block. False: a
         chunk failed or the deadline passed; pages of earlier chunks hold
         verified blocks, the failed chunk's pages were not written, and the
-        request recomputes all of them (its slots are private to it)."""
+        request recomputes all of them (its slots are private to it).
+        ``release`` (write-back): the daemon frees each block it restored; the
+        mirror drops them at once (before the daemon's removal event lands,
+        an eviction must find them absent and seal them again)."""
         ipp = self.geometry.ipp
         pos = 0
         while pos < len(hashes):
@@ -160,11 +165,19 @@ class ComponentTier:
                     self.stats["staging_waits_expired"] += 1
                     return False
                 ok = self.kv.restore(
-                    tenant, hashes[pos : pos + n], slots, event=self.kv.engine_event(), timeout=left
+                    tenant,
+                    hashes[pos : pos + n],
+                    slots,
+                    release=release,
+                    event=self.kv.engine_event(),
+                    timeout=left,
                 )
                 if not ok:
                     self.mirror.forget(tenant, hashes[pos:])
                     return False
+                if release:
+                    self.mirror.forget(tenant, hashes[pos : pos + n])
+                    self.stats["released_pages"] += n
                 st = torch.tensor(slots, dtype=torch.int64, device=self.device)
                 self.copier.scatter(self.staging, st, idx[pos * ipp : (pos + n) * ipp])
                 if self.cuda:  # the blocks are free again only once the copy read them
