@@ -65,7 +65,7 @@ serving-report-hybrid: venv-vllm
 # fits and conversation workloads with no offload, the plaintext anchor,
 # kvseal write-through, offload at eviction and write-back over it (none,
 # plain, wt, ev, ewb) on vLLM; SGLang's no offload, write-through and offload
-# at eviction (sg-none, sg-wt, sg-ev) from the SGLang venv. Each into its own
+# at eviction and write-back over it (sg-none, sg-wt, sg-ev, sg-ewb) from the SGLang venv. Each into its own
 # results file.
 #
 #   make bench-serving-evict            the vLLM arms (about 40 minutes on 2 cores)
@@ -82,7 +82,7 @@ bench-serving-evict: venv-vllm
 
 bench-serving-evict-sglang: venv-sglang
 	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m bench.serving.run --work $(SERVING_WORK)-evict-sglang \
-	  --arms sg-none,sg-wt,sg-ev --workloads fits,conv --out $(SERVING_EVICT_SGLANG_RESULTS) $(ARGS)
+	  --arms sg-none,sg-wt,sg-ev,sg-ewb --workloads fits,conv --out $(SERVING_EVICT_SGLANG_RESULTS) $(ARGS)
 
 # A fits run on fresh engines (make bench-serving-evict ARGS="--workloads fits
 # --cost-rounds 0 --out $(SERVING_EVICT_FITS_RESULTS)") replaces run 1's fits points.

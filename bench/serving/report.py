@@ -21,7 +21,8 @@ NAMES = {"none": "no offload", "plain": "plaintext anchor", "wt": "kvseal write-
          "ewb": "kvseal write-back over eviction",
          "sg-none": "SGLang, no offload",
          "sg-wt": "SGLang + kvseal write-through",
-         "sg-ev": "SGLang + kvseal offload at eviction", "h-none": "hybrid, no offload",
+         "sg-ev": "SGLang + kvseal offload at eviction",
+         "sg-ewb": "SGLang + kvseal write-back over eviction", "h-none": "hybrid, no offload",
          "h-plain": "hybrid, plaintext anchor",
          "h-wt": "hybrid, kvseal write-through"}  # fmt: skip
 BASELINES = ("none", "sg-none", "h-none")  # arms with no second tier
@@ -371,7 +372,7 @@ def _evict_goals(res: dict[str, Any], row: Any) -> None:
     than the plaintext anchor) and seals nothing; write-back over eviction
     caches at least what write-through caches on conversations. Rows go
     through ``row`` into goals' table."""
-    for a in ("ev", "ewb", "sg-ev"):
+    for a in ("ev", "ewb", "sg-ev", "sg-ewb"):
         for p in _points(res, a, "fits"):
             b, pl = _match(res, _base(a), p), _match(res, "plain", p)
             if b and b["req_s"]:
@@ -382,7 +383,7 @@ def _evict_goals(res: dict[str, Any], row: Any) -> None:
                 row(f"{a}: fits at least the plaintext anchor", p, f"{r:.3f}x", r >= 1.0)
             n = p.get("offloaded_blocks")
             row(f"{a}: fits seals nothing", p, f"{n} blocks", n == 0)
-    for a, ref in (("ewb", "wt"), ("ev", "wt"), ("sg-ev", "sg-wt")):
+    for a, ref in (("ewb", "wt"), ("ev", "wt"), ("sg-ev", "sg-wt"), ("sg-ewb", "sg-wt")):
         for p in _points(res, a, "conv"):
             q = _match(res, ref, p)
             if q is not None:

@@ -6,7 +6,8 @@ Arms: ``sg-none`` (SGLang's own radix cache only), ``sg-wt`` (kvseal's
 linker, write-through: the only policy SGLang 0.5.23 offers a direct linker,
 docs/sglang.md "Write-back") and ``sg-ev`` (kvseal's linker with
 ``offload_policy: "evict"``: a page is sealed when SGLang evicts it,
-docs/sglang.md "Offload at eviction"), each kvseal arm with a real daemon
+docs/sglang.md "Offload at eviction") and ``sg-ewb`` (``write_back: true`` over
+it: a restore releases the host copy), each kvseal arm with a real daemon
 whose host tier has the vLLM arms' size. SGLang's engine KV is the vLLM
 arms' (4,096 tokens in pages of 32), its prompt-cache report
 (``--enable-cache-report``) gives each request's cached tokens; which tier
@@ -37,7 +38,7 @@ from bench.serving.arms import (
 )
 from tests_vllm.daemon import Daemon
 
-SGLANG_ARMS = ("sg-none", "sg-wt", "sg-ev")
+SGLANG_ARMS = ("sg-none", "sg-wt", "sg-ev", "sg-ewb")
 STUB = ROOT / "tests_sglang" / "stub"
 
 
@@ -55,7 +56,7 @@ class SGLangArm(Arm):
             "--max-running-requests", "8", "--disable-overlap-schedule",
             "--enable-cache-report", "--random-seed", "0", "--log-level", "warning",
         ]  # fmt: skip
-        if self.name in ("sg-wt", "sg-ev"):
+        if self.name in ("sg-wt", "sg-ev", "sg-ewb"):
             self.daemon = Daemon(
                 self.work / "daemon", host_bytes=str(host_blocks() * BLOCK_BYTES)
             ).start()
@@ -63,7 +64,8 @@ class SGLangArm(Arm):
                 "linker": "KVSealLinker", "linker_module_path": "kvseal.sglang.linker",
                 "linker_extra_config": {
                     "socket": self.daemon.socket, "staging_bytes": 64 << 20,
-                    "offload_policy": "evict" if self.name == "sg-ev" else "write_through",
+                    "offload_policy": "write_through" if self.name == "sg-wt" else "evict",
+                    "write_back": self.name == "sg-ewb",
                 },
             }  # fmt: skip
             args += [
