@@ -381,8 +381,11 @@ def _evict_goals(res: dict[str, Any], row: Any) -> None:
             if pl and pl["req_s"] and not a.startswith("sg-"):
                 r = p["req_s"] / pl["req_s"]
                 row(f"{a}: fits at least the plaintext anchor", p, f"{r:.3f}x", r >= 1.0)
-            n = p.get("offloaded_blocks")
-            row(f"{a}: fits seals nothing", p, f"{n} blocks", n == 0)
+            # Every round's seals (the median would hide a first round's).
+            rounds = [q for q in res["arms"][a]["points"] if q["workload"] == "fits"
+                      and float(q["x"]) == float(p["x"])]  # fmt: skip
+            n = sum(q.get("offloaded_blocks") or 0 for q in rounds)
+            row(f"{a}: fits seals nothing", p, f"{n} blocks in {len(rounds)} round(s)", n == 0)
     for a, ref in (("ewb", "wt"), ("ev", "wt"), ("sg-ev", "sg-wt"), ("sg-ewb", "sg-wt")):
         for p in _points(res, a, "conv"):
             q = _match(res, ref, p)
