@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serving.model import KV_BYTES_PER_TOKEN
 from kvseal.client.errors import KVSealRpcError
+
+from bench.serving.model import KV_BYTES_PER_TOKEN
 from bench.serving.workloads import Client
 from tests_vllm.daemon import Daemon
 
