@@ -91,7 +91,8 @@ SERVING_EVICT_FITS_RESULTS ?= docs/serving-evict-fits-results.json
 serving-report-evict: venv-vllm
 	$(VLLM_PY) -m bench.serving.report $(SERVING_EVICT_RESULTS) \
 	  $(wildcard $(SERVING_EVICT_FITS_RESULTS)) --md docs/serving.md --section evict-tables
-	for f in fits:fits-q40-256 fits-default:fits-q40 smalltier:smalltier llmd:llmd; do \
+	for f in fits:fits-q40-256 fits-default:fits-q40 smalltier:smalltier llmd:llmd \
+	    sglang-fits:sglang-fits; do \
 	  r=docs/serving-evict-$${f#*:}-results.json; [ -f $$r ] || continue; \
 	  $(VLLM_PY) -m bench.serving.report $$r --md docs/serving.md \
 	    --section evict-$${f%%:*}-tables; done
