@@ -201,14 +201,21 @@ def test_write_back_keeps_each_page_in_one_tier(daemon: Daemon) -> None:
         tree.linker.evict_sealer.drain()  # type: ignore[union-attr]
         assert daemon.stats()["offloaded_blocks"] == before["offloaded_blocks"] + 3
         assert _eventually(lambda: tree.match([*ids, 5], "w0")[0] == 3 * PAGE)
+        mirror = tree.linker.tiers["kv"].mirror
+        assert _eventually(lambda: not any(mirror._unverified.values()))  # the seals verified
         _, keys = tree.match([*ids, 5], "w1")
+        lookups = daemon.stats()["lookups"]
         ok, back = tree.load("w1", keys)
         assert ok and tree.linker.stats["released_pages"] == 3
+        # Released, not forgotten: the daemon said it freed them, so the mirror
+        # asks nothing back (a forgotten block gets a background re-check Lookup).
+        assert not any(mirror._unverified.values())
         for t, w in zip(tree.tensors, want, strict=True):
             assert torch.equal(t[back], w)
         st = daemon.stats()
         assert st["blocks_ready"] == before["blocks_ready"]  # the 3 are gone from the tier
         assert tree.match([*ids, 5], "w2")[0] == 0  # one tier: SGLang's pool alone
+        assert daemon.stats()["lookups"] == lookups
         # In SGLang's pool again (inserted like computed KV); its eviction seals it again.
         tree.insert(ids, value=back)
         tree.cache.evict(EvictParams(num_tokens=3 * PAGE))

@@ -176,7 +176,7 @@ class ComponentTier:
                     self.mirror.forget(tenant, hashes[pos:])
                     return False
                 if release:
-                    self.mirror.forget(tenant, hashes[pos : pos + n])
+                    self.mirror.released(tenant, hashes[pos : pos + n])
                     self.stats["released_pages"] += n
                 st = torch.tensor(slots, dtype=torch.int64, device=self.device)
                 self.copier.scatter(self.staging, st, idx[pos * ipp : (pos + n) * ipp])

@@ -285,6 +285,18 @@ class DaemonMirror:
             self._unverified.setdefault(tenant, {}).update(dict.fromkeys(hs))
         self._intro_q.put(_WAKE)
 
+    def released(self, tenant: bytes, hashes: Iterable[bytes]) -> None:
+        """Drop blocks the daemon freed on a write-back restore (``release``).
+        Unlike :meth:`forget` nothing is re-checked: the daemon said it no
+        longer holds them, so a background ``Lookup`` could only confirm it."""
+        hs = list(hashes)
+        self._set(tenant, hs, False)
+        with self._lock:
+            pending = self._unverified.get(tenant)
+            if pending:
+                for h in hs:
+                    pending.pop(h, None)
+
     def blocks(self) -> int:
         with self._lock:
             return sum(len(s) for s in self._ready.values())
