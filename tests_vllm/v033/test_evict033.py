@@ -19,11 +19,14 @@ default, 2.5 steps of 1,024 batched tokens, would be the whole pool here).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kvseal.vllm import keys
 from vllm.v1.core.block_pool import BlockPool
 
 from tests_vllm.daemon import Daemon
@@ -153,6 +156,81 @@ def test_a_block_reused_at_once_is_sealed_before_the_forward_overwrites_it(
         assert e.worker.take_failed_block_ids() == set()
         assert daemon.stats()["integrity_failures"] == 0
     finally:
+        e.shutdown()
+
+
+def test_a_prefix_cache_reset_with_store_jobs_in_flight_loses_no_seal(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """vLLM 0.33's prefix-cache reset while this mode's store jobs are sent but
+    not reported (the daemon is stopped, so their Offload hangs). The reset
+    fires the blocks' reuse watchers (the mode fences its jobs), pops them and
+    drops every block hash; the next request is handed those blocks with no
+    watcher left. vLLM's reset knows only its own jobs (it discards worker
+    reports of ids below its counter: the mode takes its own out first) and
+    calls on_reset_flushed at once. The fence holds the forward that
+    overwrites the blocks until the seal read them: they come back from the
+    tier byte for byte."""
+    e = _engine(daemon, tmp_path, kvseal_eviction_horizon_blocks=4)
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    stopped = False
+    try:
+        ev = e.manager.evict
+        assert ev is not None
+        g = e.manager.groups[0]
+        prompts: dict[str, list[int]] = {}
+        for i in range(30):  # until a step sends jobs (freed blocks reach the head)
+            e.run()
+            assert wait_for(lambda: not ev.busy)  # every earlier job reported
+            prompts[f"r{i}"] = _prompt(40 + i, 3)
+            os.kill(pid, signal.SIGSTOP)
+            stopped = True
+            req = e.add(f"r{i}", prompts[f"r{i}"])
+            while not req.is_finished():
+                e.step()
+            if ev._jobs:
+                break
+            os.kill(pid, signal.SIGCONT)
+            stopped = False
+        assert stopped and ev.state == "active" and ev._jobs, ev.stats
+        pending = dict(ev._jobs)
+        sealed = {(j.tenant, h) for j in pending.values() for h in j.hashes}
+        keys_ = {k for j in pending.values() for k in j.keys}
+        owner = [
+            rid
+            for rid in prompts
+            if keys_ & {keys.make_offload_key(bytes(h), 0) for h in e.requests[rid].block_hashes}
+        ]
+        assert len(owner) == 1, owner  # one earlier prompt's blocks
+        first, toks = owner[0], prompts[owner[0]]
+        flushed_before = e.manager.resets_flushed
+        assert e.scheduler.reset_prefix_cache(reset_connector=True)
+        assert e.manager.resets_flushed == flushed_before + 1
+        assert set(pending) <= ev._flush  # fenced by the reset's reuse notice
+        pool = e.scheduler.kv_cache_manager.block_pool
+        assert not any(b in pool._reuse_watchers for j in pending.values() for b in j.block_ids)
+        os.kill(pid, signal.SIGCONT)
+        stopped = False
+        # The next prompts are handed those blocks (the free queue's head) and
+        # overwrite them in their forward.
+        for i in range(5):
+            _serve(e, f"n{i}", _prompt(80 + i, 3))
+        assert wait_for(lambda: not ev.busy)
+        assert ev.stats["done_jobs"] == ev.stats["jobs"]  # reported, not stale-dropped
+        # The reset cleared the pending-store claims: the blocks become hits
+        # when the daemon announces them.
+        assert wait_for(lambda: all(h in g.ready.get(t, ()) for t, h in sealed))
+        restored = daemon.stats()["restored_blocks"]
+        e.add(f"{first}-again", toks)
+        e.run()
+        assert e.worker.take_failed_block_ids() == set()
+        assert daemon.stats()["restored_blocks"] >= restored + len(sealed)
+        _pages_match(e, f"{first}-again", toks, 3)
+        assert daemon.stats()["integrity_failures"] == 0
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
         e.shutdown()
 
 
