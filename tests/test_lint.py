@@ -15,7 +15,17 @@ BIN = Path(sys.executable).parent
 @pytest.mark.parametrize(
     "cmd",
     [
-        ["ruff", "check", "client", "server", "tests", "tests_sglang", "bench", "scripts"],
+        [
+            "ruff",
+            "check",
+            "client",
+            "server",
+            "tests",
+            "tests_sglang",
+            "tests_vllm",
+            "bench",
+            "scripts",
+        ],
         [
             "ruff",
             "format",
@@ -24,6 +34,7 @@ BIN = Path(sys.executable).parent
             "server",
             "tests",
             "tests_sglang",
+            "tests_vllm",
             "bench",
             "scripts",
         ],
