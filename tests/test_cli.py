@@ -84,7 +84,8 @@ def test_stats_without_operator_rights_says_why_the_counts_are_zero(
 
 
 def test_selftest_real_geometry(daemon: DaemonProc) -> None:
-    r = _kvseal("--socket", daemon.socket, "selftest", "--blocks", "4")
+    # A loaded CI machine can take seconds per 16 MiB request: the deadline is generous.
+    r = _kvseal("--socket", daemon.socket, "--timeout", "60", "selftest", "--blocks", "4")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every byte identical" in r.stdout and r.stdout.strip().endswith("PASS")
     assert "4194304" in r.stdout  # real Qwen3-32B block size
