@@ -12,34 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+# What ruff checks and formats (make lint names the same directories).
+LINTED = ("client", "server", "tests", "tests_sglang", "tests_vllm", "bench", "scripts")
+
+
 @pytest.mark.parametrize(
     "cmd",
-    [
-        [
-            "ruff",
-            "check",
-            "client",
-            "server",
-            "tests",
-            "tests_sglang",
-            "tests_vllm",
-            "bench",
-            "scripts",
-        ],
-        [
-            "ruff",
-            "format",
-            "--check",
-            "client",
-            "server",
-            "tests",
-            "tests_sglang",
-            "tests_vllm",
-            "bench",
-            "scripts",
-        ],
-        ["mypy"],
-    ],
+    [["ruff", "check", *LINTED], ["ruff", "format", "--check", *LINTED], ["mypy"]],
     ids=["ruff-check", "ruff-format", "mypy"],
 )
 def test_static_checks(cmd: list[str]) -> None:
