@@ -62,8 +62,8 @@ from kvseal.client import (
     tenant_digest,
 )
 from kvseal.client.shm import KVShape, SharedKVPool
+from kvseal.core.mirror import observer_geometry  # vLLM-free: only kvseal.client
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm.mirror import observer_geometry  # vLLM-free: only kvseal.client
 from leak_measure import (
     BIG_TIMEOUT,
     DIGEST_RE,

@@ -212,7 +212,7 @@ def test_client_distribution_has_no_import_cycles() -> None:
     pairs = {(e.src, e.dst) for e in edges}
     assert ("kvseal.client.engine_pool", "kvseal.client.client") in pairs
     assert ("kvseal.client.torch_pool", "kvseal.client.shm") in pairs  # TYPE_CHECKING
-    assert ("kvseal.vllm.worker", "kvseal.vllm.kv_pool") in pairs
+    assert ("kvseal.vllm.worker", "kvseal.core.kv_pool") in pairs
     cycles = find_cycles(edges)
     assert not cycles, "import cycles:\n" + "\n".join(_describe(c) for c in cycles)
 
@@ -286,3 +286,69 @@ def test_public_names_keep_their_homes() -> None:
     assert {"ClientConfig", "KVSealClient", "KVSealRpcError", "default_target"} <= set(
         client_module.__all__
     )
+
+
+# Which client packages each package may import (kvseal.v1 is generated and
+# imports nothing of ours). The two engine adapters share kvseal.core and never
+# reach into each other: a change made for one engine must not reach the other
+# untested. kvseal.core and kvseal.client import no adapter.
+ALLOWED_LAYERS: dict[str, frozenset[str]] = {
+    "kvseal.client": frozenset({"kvseal.client", "kvseal.v1"}),
+    "kvseal.core": frozenset({"kvseal.core", "kvseal.client", "kvseal.v1"}),
+    "kvseal.vllm": frozenset({"kvseal.vllm", "kvseal.core", "kvseal.client", "kvseal.v1"}),
+    "kvseal.sglang": frozenset({"kvseal.sglang", "kvseal.core", "kvseal.client", "kvseal.v1"}),
+}
+
+
+def _package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) >= 2 and parts[0] == "kvseal" else None
+
+
+def layer_violations(edges: list[Edge]) -> list[str]:
+    """Every edge from a package in :data:`ALLOWED_LAYERS` to a kvseal package it
+    may not import, as ``src (line N, kind) -> dst``."""
+    bad = []
+    for e in edges:
+        src, dst = _package_of(e.src), _package_of(e.dst)
+        if src in ALLOWED_LAYERS and dst is not None and dst not in ALLOWED_LAYERS[src]:
+            bad.append(f"{e.src} (line {e.line}, {e.kind}) -> {e.dst}")
+    return sorted(bad)
+
+
+def test_engine_adapters_share_the_core_and_never_import_each_other() -> None:
+    edges = import_edges(CLIENT_SRC)
+    pairs = {(e.src, e.dst) for e in edges}
+    # The graph was really read: both adapters use the shared core.
+    assert ("kvseal.sglang.tier", "kvseal.core.kv_pool") in pairs
+    assert ("kvseal.vllm.worker", "kvseal.core.kv_pool") in pairs
+    packages = {_package_of(m) for m in _modules(CLIENT_SRC)}
+    assert packages - {None, "kvseal.v1"} == set(ALLOWED_LAYERS), packages
+    bad = layer_violations(edges)
+    assert not bad, "imports across layers:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_sees_an_adapter_importing_the_other(tmp_path: Path) -> None:
+    """The layer rule fails on what it must: the SGLang adapter importing the vLLM
+    one (even under TYPE_CHECKING or inside a function), or the core importing
+    an adapter."""
+    files = {
+        "kvseal/sglang/tier.py": "def f():\n    from kvseal.vllm.mirror import M\n",
+        "kvseal/sglang/ok.py": "from kvseal.core import kv_pool\n",
+        "kvseal/vllm/worker.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvseal.sglang.tier\n"
+        ),
+        "kvseal/core/kv_pool.py": "from kvseal.vllm import logs\n",
+        "kvseal/vllm/mirror.py": "M = 1\n",
+        "kvseal/vllm/logs.py": "",
+    }
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    bad = layer_violations(import_edges(tmp_path))
+    assert [b.split(" ")[0] for b in bad] == [
+        "kvseal.core.kv_pool",
+        "kvseal.sglang.tier",
+        "kvseal.vllm.worker",
+    ], bad

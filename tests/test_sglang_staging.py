@@ -19,10 +19,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvseal.client import ClientConfig, KVSealClient, tenant_digest  # noqa: E402
+from kvseal.core.kv_pool import KVPool  # noqa: E402
 from kvseal.sglang.layout import PageCopier, geometry_of  # noqa: E402
 from kvseal.sglang.staging import Slots, new_staging, pool_inputs  # noqa: E402
 from kvseal.v1 import kvseal_pb2 as pb  # noqa: E402
-from kvseal.vllm.kv_pool import KVPool  # noqa: E402
 
 from .conftest import start_daemon  # noqa: E402
 

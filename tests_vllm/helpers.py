@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from kvseal.vllm import shm_kv
+from kvseal.core import shm_kv
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,

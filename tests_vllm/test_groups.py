@@ -106,7 +106,7 @@ class Hybrid:
     groups' blocks live in (vLLM's hybrid layout), and the scheduler's manager."""
 
     def __init__(self, daemon: Daemon) -> None:
-        from kvseal.vllm import shm_kv
+        from kvseal.core import shm_kv
 
         cfg, kv = _hybrid_configs([daemon.target])
         self.spec = _spec(cfg, kv)

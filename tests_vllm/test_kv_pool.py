@@ -1,4 +1,4 @@
-"""The worker's KV pool layout (kvseal.vllm.kv_pool) from vLLM's canonical KV
+"""The worker's KV pool layout (kvseal.core.kv_pool) from vLLM's canonical KV
 tensors, on CPU tensors with the shapes and strides vLLM gives the worker on a
 GPU (its ``register_kv_caches`` builds them with the same ``set_`` call used
 here). Only shapes, strides and bytes matter for the layout, so what holds for
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from kvseal.client.torch_pool import page_segments
+from kvseal.core import kv_pool, shm_kv
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm import kv_pool, shm_kv
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor
 
 BLOCKS, TOKENS, HEADS, DIM = 6, 4, 2, 8

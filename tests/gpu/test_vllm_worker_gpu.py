@@ -2,7 +2,7 @@
 
 A tiny fake "vLLM KV cache": per-layer int8 CUDA allocations viewed as vLLM's
 canonical ``(num_blocks, page_bytes)`` tensors (the ``set_`` call of vLLM's
-``register_kv_caches``), handed to :class:`kvseal.vllm.kv_pool.KVPool` exactly as
+``register_kv_caches``), handed to :class:`kvseal.core.kv_pool.KVPool` exactly as
 ``KVSealOffloadingWorker`` does (vLLM itself is not installed on the device
 machine; the worker's only GPU-specific code is that class and the event it
 records per job). Against ``kvseal-server --backend cuda`` in its own process:
@@ -45,11 +45,11 @@ if _cuda is not None and getattr(_cuda, "is_initialized", lambda: False)():
         _set("expandable_segments:False")
 
 from kvseal.client import ClientConfig, KVSealClient, tenant_digest  # noqa: E402
+from kvseal.core.kv_pool import KVPool, layer_page_views, pool_geometry  # noqa: E402
+from kvseal.core.mirror import DaemonMirror, observer_geometry  # noqa: E402
 from kvseal.server.backends.cuda import compile as kc  # noqa: E402
 from kvseal.server.backends.cuda import probe  # noqa: E402
 from kvseal.v1 import kvseal_pb2 as pb  # noqa: E402
-from kvseal.vllm.kv_pool import KVPool, layer_page_views, pool_geometry  # noqa: E402
-from kvseal.vllm.mirror import DaemonMirror, observer_geometry  # noqa: E402
 
 from ..conftest import DaemonProc, start_daemon  # noqa: E402
 from .bytes_check import assert_same_bytes  # noqa: E402

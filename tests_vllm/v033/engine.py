@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvseal.vllm import shm_kv
+from kvseal.core import shm_kv
 from kvseal.vllm.spec import KVSealOffloadingManager, KVSealOffloadingWorker
 from vllm.config import (
     CacheConfig,

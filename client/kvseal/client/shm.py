@@ -17,7 +17,7 @@ head, dim", so pools of different engines with the same model share blocks):
   ``[pages * tokens, heads, dim]`` (SGLang MHA token pool).
 
 **Owner-locked objects** (:func:`create_owner_locked`, used for vLLM's KV
-cache by :mod:`kvseal.vllm.shm_kv`). The creator of such an object holds a
+cache by :mod:`kvseal.core.shm_kv`). The creator of such an object holds a
 shared ``flock`` on an fd of it for as long as it lives; the kernel releases
 that lock however the process ends, SIGKILL included, so the lock tells a
 live engine's pool from a leftover without pids (which other pid namespaces

@@ -9,7 +9,7 @@ page: the wrapper sets the write-through threshold to 1), and the two offload
 counters once per step. How kvseal answers each (docs/sglang.md has the table):
 
 - **lookup** never makes an RPC: it reads the scheduler's mirror of the daemon
-  (:class:`kvseal.vllm.mirror.DaemonMirror`, fed by the daemon's event stream,
+  (:class:`kvseal.core.mirror.DaemonMirror`, fed by the daemon's event stream,
   this engine's own completed offloads and, for blocks it has no word of, a
   background discovery lookup).
 - **load** (default ``load_mode: "verified"``) restores the pages into the

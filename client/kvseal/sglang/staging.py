@@ -1,13 +1,13 @@
 """The linker's staging blocks: memory the daemon seals from and opens into.
 
 One tensor ``(blocks, block_bytes)`` of uint8, registered with the daemon as
-this rank's pool (:class:`kvseal.vllm.kv_pool.KVPool`):
+this rank's pool (:class:`kvseal.core.kv_pool.KVPool`):
 
 - **CPU**: in a named, owner-locked POSIX shared-memory object
   (``/dev/shm/kvseal-sglang-<pid>-<random>``, mode 0600), which the daemon's
   CPU backend opens by name; unlinked by the linker's close, at interpreter
   exit, or by the next engine's sweep if this one was killed
-  (:mod:`kvseal.vllm.shm_kv` owns the mechanism);
+  (:mod:`kvseal.core.shm_kv` owns the mechanism);
 - **CUDA**: device memory on the KV pool's device, exported to the daemon by
   legacy CUDA IPC.
 
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvseal.vllm import shm_kv
+from kvseal.core import shm_kv
 
 SHM_PREFIX = "kvseal-sglang"
 
@@ -45,7 +45,7 @@ def new_staging(blocks: int, block_bytes: int, device: Any) -> Any:
 
 @dataclass
 class _Ref:
-    """What :class:`kvseal.vllm.kv_pool.KVPool` reads of a tensor and a layer."""
+    """What :class:`kvseal.core.kv_pool.KVPool` reads of a tensor and a layer."""
 
     tensor: Any
     tensor_idx: int = 0

@@ -9,7 +9,7 @@ per component SGLang hands it (:mod:`kvseal.sglang.pools`): ``kv``, and
 - its own daemon pool, whose fingerprint and layout name bind the component,
   its kind and geometry: its own namespace, so a block of one component
   never verifies as another's;
-- its own :class:`~kvseal.vllm.mirror.DaemonMirror` (lookups never make an
+- its own :class:`~kvseal.core.mirror.DaemonMirror` (lookups never make an
   RPC).
 
 :meth:`ComponentTier.store` and :meth:`ComponentTier.restore` move pages
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 from kvseal.client import KVSealClient
+from kvseal.core.kv_pool import KVPool
+from kvseal.core.mirror import DaemonMirror
 from kvseal.sglang import keys
 from kvseal.sglang.layout import PageCopier
 from kvseal.sglang.pools import KV, Component
 from kvseal.sglang.staging import Slots, new_staging, pool_inputs
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm.kv_pool import KVPool
-from kvseal.vllm.mirror import DaemonMirror
 
 log = logging.getLogger("kvseal.sglang")
 

@@ -10,7 +10,7 @@ Enable it with one ``--kv-transfer-config`` line naming
   (transfers off vLLM's thread); it re-exports the manager;
 - :mod:`kvseal.vllm.manager` — the manager (scheduler process, lookups
   answered locally, pending stores);
-- :mod:`kvseal.vllm.mirror` — the scheduler's event-fed copy of the daemon's
+- :mod:`kvseal.core.mirror` — the scheduler's event-fed copy of the daemon's
   index;
 - :mod:`kvseal.vllm.keys` — vLLM hashes, salts and models mapped to kvseal's.
 

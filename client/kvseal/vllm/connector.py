@@ -36,7 +36,8 @@ import logging
 from contextlib import AbstractContextManager
 from typing import Any
 
-from kvseal.vllm import shm_kv, spec
+from kvseal.core import shm_kv
+from kvseal.vllm import logs, spec
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -50,6 +51,9 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 log = logging.getLogger("kvseal.vllm")
+# vLLM imports this module in every process it runs kvseal in (API server, engine
+# core, worker): kvseal's log lines there get vLLM's format (kvseal.vllm.logs).
+logs.use_vllm_handlers()
 
 
 def _name_the_spec(extra: dict[str, Any]) -> None:

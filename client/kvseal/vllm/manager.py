@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 from kvseal.client import load_tenant_key, tenant_digest
+from kvseal.core.mirror import DaemonMirror
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys
 from kvseal.vllm.evict import new_eviction
@@ -52,7 +53,6 @@ from kvseal.vllm.metrics import (  # re-exported
     config_info_keys,
     metric_definitions,
 )
-from kvseal.vllm.mirror import DaemonMirror
 from kvseal.vllm.tier_events import TierEvents
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (

@@ -9,7 +9,7 @@ KV cache is not in shared memory (CPU platform), ``cache_salt`` is not known
 across salts) and a failed restore cannot be reported as a recompute.
 
 - :class:`KVSealOffloadingManager` (scheduler process) answers ``lookup`` from
-  :class:`~kvseal.vllm.mirror.DaemonMirror`\\ s, one per rank: a block is a hit
+  :class:`~kvseal.core.mirror.DaemonMirror`\\ s, one per rank: a block is a hit
   only when every rank's daemon holds it. It makes no RPC on the scheduler
   thread. ``prepare_store``/``prepare_load`` only describe the blocks (tenant,
   32-byte hashes); capacity and eviction are the daemon's, whose evictions and

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvseal.client import ClientConfig, KVSealClient
+from kvseal.core.kv_pool import EngineEvent, KVPool
 from kvseal.v1 import kvseal_pb2 as pb
 from kvseal.vllm import keys
 from kvseal.vllm.groups import GroupLayout
-from kvseal.vllm.kv_pool import EngineEvent, KVPool
 from kvseal.vllm.manager import KVSealLoadStoreSpec
 
 from vllm.v1.kv_offload.base import (
@@ -99,7 +99,7 @@ class KVSealOffloadingWorker(OffloadingWorker):
     each bounded by the transfer timeout (``kvseal_transfer_timeout_s``): a
     stalled daemon delays that step, then the load fails and vLLM recomputes.
 
-    The KV cache is this rank's :class:`~kvseal.vllm.kv_pool.KVPool` per
+    The KV cache is this rank's :class:`~kvseal.core.kv_pool.KVPool` per
     group: on vLLM's CPU platform a shared-memory pool (CPU backend); on a GPU
     the KV tensors exported with CUDA IPC (CUDA backend), each job carrying a
     CUDA event that vLLM's stream recorded when it submitted the job, which the

@@ -13,7 +13,7 @@ and strides only, the same for CPU and CUDA tensors), and :func:`pool_geometry`
 turns the views into the daemon's ``PoolGeometry``:
 
 - **CPU** tensors must live in the shared-memory object the connector made vLLM
-  allocate (:mod:`kvseal.vllm.shm_kv`); the pool is for the daemon's CPU backend.
+  allocate (:mod:`kvseal.core.shm_kv`); the pool is for the daemon's CPU backend.
 - **CUDA** tensors are exported with legacy CUDA IPC through
   :func:`kvseal.client.torch_pool.geometry_from_tensors` (one buffer per
   ``cudaMalloc`` allocation); the pool is for the CUDA backend, and every
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvseal.client import EnginePool, KVSealClient, torch_pool
+from kvseal.core import shm_kv
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm import shm_kv
 
 
 class TensorRef(Protocol):

@@ -48,14 +48,14 @@ from typing import Any
 
 import grpc
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError, PoolHold
+from kvseal.core.discovery import Discovery
+from kvseal.core.geometry import observer_geometry
+from kvseal.core.mirror_rounds import RESYNC_BATCH, sweep_tenants, touch_round, verify_round
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm.discovery import Discovery
-from kvseal.vllm.keys import observer_geometry
-from kvseal.vllm.mirror_rounds import RESYNC_BATCH, sweep_tenants, touch_round, verify_round
 
-__all__ = ["DaemonMirror", "observer_geometry"]  # the geometry lives in keys
+__all__ = ["DaemonMirror", "observer_geometry"]
 
-log = logging.getLogger("kvseal.vllm")
+log = logging.getLogger("kvseal.core")
 
 # Recent removals remembered (at most this many, none older than TOMBSTONE_S,
 # well above a store job's bound): a store reported done after its block was

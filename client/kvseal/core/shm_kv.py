@@ -1,4 +1,5 @@
-"""vLLM's CPU KV cache in a named POSIX shared-memory object.
+"""An engine's CPU KV cache in a named POSIX shared-memory object (vLLM's CPU
+platform; SGLang's staging buffers use the same allocation).
 
 On vLLM's CPU platform the whole KV cache is one ``torch.zeros(n, dtype=int8)``
 buffer with per-layer views, private to the worker process. kvseal's CPU
@@ -17,7 +18,7 @@ kernel however the process ends). It stays linked while the process lives,
 because a restarted daemon opens the pool by name when the worker registers
 it again; it is unlinked
 
-- by the worker when it shuts its pool down (:meth:`kvseal.vllm.kv_pool.KVPool.close`,
+- by the worker when it shuts its pool down (:meth:`kvseal.core.kv_pool.KVPool.close`,
   before it unregisters: vLLM 0.32 SIGKILLs its worker right after the
   shutdown when ``vllm serve`` gets SIGTERM, before any exit handler), and at
   interpreter exit;
@@ -44,25 +45,19 @@ import logging
 import mmap
 import os
 import secrets
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kvseal.client.shm import OwnedShm, create_owner_locked, sweep_orphans
-from kvseal.vllm import logs
 
 # Only an allocation at least this large is the KV cache (vLLM's other CPU
 # buffers inside the context, if any, are small).
 MIN_KV_BYTES = 1 << 12
 
 
-log = logging.getLogger("kvseal.vllm")
-# The connector imports this module in every vLLM process (API server, engine
-# core, worker): kvseal's log lines there get vLLM's format (kvseal.vllm.logs).
-if "vllm.logger" in sys.modules:
-    logs.use_vllm_handlers()
+log = logging.getLogger("kvseal.core")
 
 
 @dataclass

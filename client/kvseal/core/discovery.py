@@ -1,6 +1,6 @@
 """Discovery: blocks a daemon held before the scheduler's mirror subscribed.
 
-The mirror (:mod:`kvseal.vllm.mirror`) hears of a block from the daemon's event
+The mirror (:mod:`kvseal.core.mirror`) hears of a block from the daemon's event
 stream or from this engine's own store reports; a block stored before it
 subscribed (by this engine's previous incarnation, say) is news to it. The
 manager then asks :meth:`Discovery.discover` once per such block: a background
@@ -22,7 +22,7 @@ from typing import Any
 from kvseal.client import KVSealRpcError
 from kvseal.v1 import kvseal_pb2 as pb
 
-log = logging.getLogger("kvseal.vllm")
+log = logging.getLogger("kvseal.core")
 
 MAX_ABSENT = 1 << 20  # known-absent blocks remembered before starting over
 BATCH = 1024  # hashes per discovery Lookup (below the daemon's batch limit)
@@ -31,7 +31,7 @@ Key = tuple[bytes, bytes]  # (tenant, hash)
 
 
 class Discovery:
-    """The discovery state of one :class:`~kvseal.vllm.mirror.DaemonMirror`.
+    """The discovery state of one :class:`~kvseal.core.mirror.DaemonMirror`.
 
     ``known_absent`` and ``discover`` are called from the scheduler thread and
     never block; ``absent`` is replaced (never cleared in place) by
@@ -39,7 +39,7 @@ class Discovery:
     first ``discover`` and ends with the mirror (its ``_stop`` event)."""
 
     def __init__(self, mirror: Any) -> None:
-        # A kvseal.vllm.mirror.DaemonMirror (not imported: the mirror imports
+        # A kvseal.core.mirror.DaemonMirror (not imported: the mirror imports
         # this module, and the client distribution has no import cycle).
         self._m = mirror
         self.absent: set[Key] = set()  # checked absent (or the lookup failed)

@@ -1,4 +1,4 @@
-"""Three of :class:`~kvseal.vllm.mirror.DaemonMirror`'s background rounds (its
+"""Three of :class:`~kvseal.core.mirror.DaemonMirror`'s background rounds (its
 introducer thread runs them; they read and write the mirror's state under the
 mirror's own locks, exactly as its methods would)."""
 
@@ -13,14 +13,14 @@ from typing import Protocol
 from kvseal.client import KVSealClient, KVSealRpcError
 from kvseal.v1 import kvseal_pb2 as pb
 
-log = logging.getLogger("kvseal.vllm")
+log = logging.getLogger("kvseal.core")
 
 RESYNC_BATCH = 1024  # hashes per Lookup or Touch of a round (below the daemon's batch limit)
 MAX_TENANTS = 1 << 16  # tenants remembered by one mirror (the mirror's module doc)
 
 
 class DaemonMirror(Protocol):
-    """What the rounds use of :class:`kvseal.vllm.mirror.DaemonMirror`."""
+    """What the rounds use of :class:`kvseal.core.mirror.DaemonMirror`."""
 
     rank: int
     pool_id: str | None
