@@ -12,11 +12,18 @@
 #                                     smoke of tests_vllm/test_serving_smoke.py (5-7 minutes on
 #                                     this machine's 2 cores at load 7-18; the test allows 25)
 #   make bench-serving                the sweep of docs/serving.md (about 50 minutes on 2 cores)
-#   make serving-report               docs/serving.md tables and docs/serving-*.png from
-#                                     docs/serving-results.json (SERVING_RESULTS=... for another)
+#   make serving-report               the full tables into $(SERVING_MD) and docs/serving-*.png
+#                                     from $(SERVING_HIST)/serving-results.json
+#                                     (SERVING_RESULTS=... for another)
+#
+# Results files, the full tables and the log of every run live under
+# bench/serving/history/ (SERVING_HIST); docs/serving.md holds only the figures
+# that stand now, and the plots it shows (docs/serving-*.png).
 
 SERVING_WORK    ?= build/bench-serving
-SERVING_RESULTS ?= docs/serving-results.json
+SERVING_HIST    ?= bench/serving/history
+SERVING_MD      ?= $(SERVING_HIST)/README.md
+SERVING_RESULTS ?= $(SERVING_HIST)/serving-results.json
 
 .PHONY: bench-serving serving-report
 
@@ -24,12 +31,12 @@ bench-serving: venv-vllm
 	$(VLLM_PY) -m bench.serving.run --work $(SERVING_WORK) $(ARGS)
 
 serving-report: venv-vllm
-	$(VLLM_PY) -m bench.serving.report $(SERVING_RESULTS) --md docs/serving.md \
+	$(VLLM_PY) -m bench.serving.report $(SERVING_RESULTS) --md $(SERVING_MD) \
 	  --png-prefix docs/serving
 
 # The SGLang arms (bench/serving/sglang_arm.py: sg-none, sg-wt) of the same workloads,
-# from the SGLang venv, into their own results file (docs/serving.md, "SGLang").
-SERVING_SGLANG_RESULTS ?= docs/serving-sglang-results.json
+# from the SGLang venv, into their own results file (bench/serving/history/README.md, "SGLang").
+SERVING_SGLANG_RESULTS ?= $(SERVING_HIST)/serving-sglang-results.json
 
 .PHONY: bench-serving-sglang serving-report-sglang
 
@@ -38,18 +45,18 @@ bench-serving-sglang: venv-sglang
 	  --arms sg-none,sg-wt --workloads llmd,conv,conv-salted $(ARGS)
 
 serving-report-sglang: venv-vllm
-	$(VLLM_PY) -m bench.serving.report $(SERVING_SGLANG_RESULTS) --md docs/serving.md \
+	$(VLLM_PY) -m bench.serving.report $(SERVING_SGLANG_RESULTS) --md $(SERVING_MD) \
 	  --section sglang-tables --png-prefix docs/serving-sglang
 
 # The hybrid model (bench/serving/model.py's Gemma-3-like, 3 sliding-window
 # layers : 1 full, four KV-cache groups) on the llm-d shape: no offload, the
 # plaintext anchor and kvseal write-through (h-none, h-plain, h-wt), into its
-# own results file (docs/serving.md, "Hybrid models").
+# own results file (bench/serving/history/README.md, "Hybrid models").
 #
 #   make bench-serving-hybrid ARGS=--quick   one short point (about 8 minutes on 2 cores)
 #   make bench-serving-hybrid                the llm-d rate sweep (about 25 minutes on 2 cores)
-#   make serving-report-hybrid               docs/serving.md's hybrid tables
-SERVING_HYBRID_RESULTS ?= docs/serving-hybrid-results.json
+#   make serving-report-hybrid               $(SERVING_MD)'s hybrid tables
+SERVING_HYBRID_RESULTS ?= $(SERVING_HIST)/serving-hybrid-results.json
 
 .PHONY: bench-serving-hybrid serving-report-hybrid
 
@@ -58,10 +65,10 @@ bench-serving-hybrid: venv-vllm
 	  --arms h-none,h-plain,h-wt --workloads llmd $(ARGS)
 
 serving-report-hybrid: venv-vllm
-	$(VLLM_PY) -m bench.serving.report $(SERVING_HYBRID_RESULTS) --md docs/serving.md \
+	$(VLLM_PY) -m bench.serving.report $(SERVING_HYBRID_RESULTS) --md $(SERVING_MD) \
 	  --section hybrid-tables
 
-# Offload at eviction (issue 29; docs/serving.md "Offload at eviction"): the
+# Offload at eviction (issue 29; bench/serving/history/README.md "Offload at eviction"): the
 # fits and conversation workloads with no offload, the plaintext anchor,
 # kvseal write-through, offload at eviction and write-back over it (none,
 # plain, wt, ev, ewb) on vLLM; SGLang's no offload, write-through and offload
@@ -70,9 +77,9 @@ serving-report-hybrid: venv-vllm
 #
 #   make bench-serving-evict            the vLLM arms (about 40 minutes on 2 cores)
 #   make bench-serving-evict-sglang     the SGLang arms (about 25 minutes on 2 cores)
-#   make serving-report-evict           docs/serving.md's eviction tables (both files)
-SERVING_EVICT_RESULTS ?= docs/serving-evict-results.json
-SERVING_EVICT_SGLANG_RESULTS ?= docs/serving-evict-sglang-results.json
+#   make serving-report-evict           $(SERVING_MD)'s eviction tables (both files)
+SERVING_EVICT_RESULTS ?= $(SERVING_HIST)/serving-evict-results.json
+SERVING_EVICT_SGLANG_RESULTS ?= $(SERVING_HIST)/serving-evict-sglang-results.json
 
 .PHONY: bench-serving-evict bench-serving-evict-sglang serving-report-evict
 
@@ -86,29 +93,29 @@ bench-serving-evict-sglang: venv-sglang
 
 # A fits run on fresh engines (make bench-serving-evict ARGS="--workloads fits
 # --cost-rounds 0 --out $(SERVING_EVICT_FITS_RESULTS)") replaces run 1's fits points.
-SERVING_EVICT_FITS_RESULTS ?= docs/serving-evict-fits-results.json
+SERVING_EVICT_FITS_RESULTS ?= $(SERVING_HIST)/serving-evict-fits-results.json
 
 serving-report-evict: venv-vllm
 	$(VLLM_PY) -m bench.serving.report $(SERVING_EVICT_RESULTS) \
-	  $(wildcard $(SERVING_EVICT_FITS_RESULTS)) --md docs/serving.md --section evict-tables
+	  $(wildcard $(SERVING_EVICT_FITS_RESULTS)) --md $(SERVING_MD) --section evict-tables
 	for f in fits:fits-q40-256 fits-default:fits-q40 smalltier:smalltier llmd:llmd \
 	    sglang-fits:sglang-fits; do \
-	  r=docs/serving-evict-$${f#*:}-results.json; [ -f $$r ] || continue; \
-	  $(VLLM_PY) -m bench.serving.report $$r --md docs/serving.md \
+	  r=$(SERVING_HIST)/serving-evict-$${f#*:}-results.json; [ -f $$r ] || continue; \
+	  $(VLLM_PY) -m bench.serving.report $$r --md $(SERVING_MD) \
 	    --section evict-$${f%%:*}-tables; done
 	if [ -f $(SERVING_EVICT_SGLANG_RESULTS) ]; then \
-	  $(VLLM_PY) -m bench.serving.report $(SERVING_EVICT_SGLANG_RESULTS) --md docs/serving.md \
+	  $(VLLM_PY) -m bench.serving.report $(SERVING_EVICT_SGLANG_RESULTS) --md $(SERVING_MD) \
 	    --section evict-sglang-tables; fi
 
 # The sealed store tier (docs/store.md) at its two serving points, restart-warm
 # and second replica (bench/serving/store_points.py: kvseal write-through with
 # --store-dir and a file: key against a restarted no-offload engine, one engine
-# at a time), into its own results file (docs/serving.md, "The sealed store tier").
+# at a time), into its own results file (bench/serving/history/README.md, "The sealed store tier").
 #
 #   make bench-serving-store ARGS=--quick   one repetition of a short round (about 6 minutes on 2 cores)
 #   make bench-serving-store                three repetitions (about 26 minutes on 2 cores)
-#   make serving-report-store               docs/serving.md's store tables and docs/serving-store.png
-SERVING_STORE_RESULTS ?= docs/serving-store-results.json
+#   make serving-report-store               $(SERVING_MD)'s store tables and docs/serving-store.png
+SERVING_STORE_RESULTS ?= $(SERVING_HIST)/serving-store-results.json
 
 .PHONY: bench-serving-store serving-report-store
 
@@ -117,4 +124,4 @@ bench-serving-store: venv-vllm
 
 serving-report-store: venv-vllm
 	$(VLLM_PY) -m bench.serving.store_points --report $(SERVING_STORE_RESULTS) \
-	  --md docs/serving.md --png docs/serving-store.png
+	  --md $(SERVING_MD) --png docs/serving-store.png

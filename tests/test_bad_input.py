@@ -312,6 +312,7 @@ def _hostile_cases(env: dict[str, Any]) -> list[tuple[str, str, bytes, grpc.Stat
         "Offload": lambda p: pb.OffloadRequest(pool_id=p, tenant=t, block_hashes=[H], page_ids=[7]),
         "Restore": lambda p: pb.RestoreRequest(pool_id=p, tenant=t, block_hashes=[H], page_ids=[7]),
         "Drop": lambda p: pb.DropRequest(pool_id=p, tenant=t, block_hashes=[H]),
+        "Release": lambda p: pb.ReleaseRequest(pool_id=p, tenant=t, block_hashes=[H]),
         "WatchEvents": lambda p: pb.WatchEventsRequest(pool_id=p),
     }
     for rpc, make in by_pool_id.items():

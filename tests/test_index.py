@@ -441,6 +441,29 @@ def test_write_back_release_of_a_middle_block() -> None:
     assert names_of(store(idx, ["X", "Y", "Z"])) == ["A"]
 
 
+def test_release_apart_from_the_restore_is_a_release_restore() -> None:
+    """``release`` (the Release RPC, after a restore without release): the
+    block leaves as a release restore takes it, descendants kept and
+    unlinked; a block another restore pins is freed when that one unpins;
+    absent and pending blocks are skipped."""
+    idx, freed = make(5)
+    store(idx, ["A", "B", "C"])
+    pinned = idx.begin_restore(NS, T1, [h("B")])
+    pending = idx.begin_store(NS, T1, None, [h("P")], BLOCK).new
+    assert names_of(idx.release(NS, T1, [h("A"), h("B"), h("P"), h("nope")])) == ["A", "B"]
+    assert idx.lookup(NS, T1, [h("A"), h("B"), h("C")])[1] == [
+        State.ABSENT, State.ABSENT, State.READY,
+    ]  # fmt: skip
+    assert idx._map[(NS, T1, h("C"))].parent is None
+    assert names_of(freed.calls) == ["A"]  # B is still pinned by its restore
+    assert idx.release(NS, T1, [h("A")]) == []
+    idx.complete_restore(pinned, release=False)
+    assert names_of(freed.calls) == ["A", "B"]
+    idx.complete_store(pending, [record()])
+    assert states(idx, ["P"]) == [State.READY]
+    idx.check_invariants()
+
+
 def test_failed_restore_removes_failed_blocks_with_descendants() -> None:
     idx, freed = make(6)
     store(idx, ["A", "B", "C"])

@@ -1,11 +1,13 @@
-"""Tables and plots of docs/serving.md from a results JSON of bench.serving.run.
+"""Tables and plots of the serving benchmark from a results JSON of bench.serving.run.
 
     python -m bench.serving.report RESULTS.json [--md OUT.md] [--png-prefix docs/serving]
 
 writes the markdown tables (to stdout, or between the ``<!-- tables -->``
-markers of ``--md``) and the PNG plots (throughput vs rate, TTFT p50/p99 vs
-gap, cached share per arm, and, when the results have salted conversations,
-tier share per tenant count).
+markers of ``--md``: ``make serving-report`` names bench/serving/history/README.md,
+where the full tables and the log of runs live) and the PNG plots (throughput
+vs rate, TTFT p50/p99 vs gap, cached share per arm, and, when the results have
+salted conversations, tier share per tenant count), which docs/serving.md
+shows. Every plot's title says where its results were measured (``where``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ def _base(arm: str) -> str:
     """The no-offload arm an arm is compared with: SGLang's for SGLang arms,
     the hybrid model's for its arms."""
     return "sg-none" if arm.startswith("sg-") else "h-none" if arm.startswith("h-") else "none"
+
+
+def where(res: dict[str, Any]) -> str:
+    """Where a results file was measured, for a figure's title: the machine
+    that ``bench.serving.run`` recorded (``machine``), else what every results
+    file holds (its CPU count). Every arm of the serving benchmark runs its
+    engine on the CPU (vLLM's CPU platform, SGLang ``--device cpu``), so a file
+    written before ``machine`` was recorded was measured without a GPU too."""
+    m = res.get("machine") or f"{res.get('cpus', '?')} CPUs, no GPU"
+    day = str(res.get("started") or "").split(" ")[0]
+    return f"measured on {m}, engines on the CPU" + (f", {day}" if day else "")
 
 
 def _markers(name: str) -> tuple[str, str]:
@@ -465,7 +478,7 @@ def plots(res: dict[str, Any], prefix: str) -> list[str]:
         ax.plot([p["x"] for p in pts], [p["req_s"] for p in pts], marker="o", label=NAMES.get(a, a))
     ax.set_xlabel("offered rate, requests/s")
     ax.set_ylabel("completed requests/s")
-    ax.set_title("llm-d shape: throughput vs rate")
+    ax.set_title("llm-d shape: throughput vs rate\n" + where(res), fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -482,7 +495,7 @@ def plots(res: dict[str, Any], prefix: str) -> list[str]:
                 label=f"{NAMES.get(a, a)} p99")  # fmt: skip
     ax.set_xlabel("inter-turn gap, s (0 = saturated)")
     ax.set_ylabel("TTFT, s")
-    ax.set_title("conversation replay: TTFT vs gap")
+    ax.set_title("conversation replay: TTFT vs gap\n" + where(res), fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -509,7 +522,7 @@ def plots(res: dict[str, Any], prefix: str) -> list[str]:
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.set_xlabel("tenants (cache salts); conversations per point fixed")
         ax.set_ylabel("share of prompt tokens")
-        ax.set_title("salted conversations: tier share per tenant count")
+        ax.set_title("salted conversations: tier share per tenant count\n" + where(res), fontsize=9)
         ax.legend(fontsize=7, ncol=2)
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -531,7 +544,7 @@ def plots(res: dict[str, Any], prefix: str) -> list[str]:
     ax.bar(xs, tier, bottom=eng, label="second tier")
     ax.set_xticks(xs, labels, fontsize=5, rotation=90)
     ax.set_ylabel("share of prompt tokens")
-    ax.set_title("prompt tokens served from cache, per arm and point")
+    ax.set_title("prompt tokens served from cache, per arm and point\n" + where(res), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     files.append(f"{prefix}-cached.png")

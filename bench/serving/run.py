@@ -16,7 +16,7 @@ engine's KV cache). Every point uses prompts (and salts) of its own (seeded),
 so no point reuses another's blocks.
 
 Writes a results JSON (``--out``); ``python -m bench.serving.report`` turns it
-into the tables and plots of docs/serving.md.
+into the tables (bench/serving/history/) and plots (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -282,6 +282,23 @@ def stop_on_signals() -> None:
         signal.signal(s, handler)
 
 
+def machine() -> str:
+    """This machine, as a results file records it (``machine``) and a figure's
+    title shows it (report.where): the CPU count, the CPU model's vendor and
+    family (``/proc/cpuinfo``'s first ``model name``, its first two words) and
+    "no GPU": every arm runs its engine on the CPU. Unknown parts are left out,
+    never guessed."""
+    family = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                family = " ".join(line.split(":", 1)[1].split()[:2])
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} CPUs" + (f" ({family})" if family else "") + ", no GPU"
+
+
 def prepare(work_arg: str, out_arg: str | None) -> tuple[Path, Path, Path]:
     """The work directory (made), the results file and the model (built once)."""
     work = Path(work_arg).resolve()
@@ -361,7 +378,7 @@ def main() -> None:
     pl["workloads"] = args.workloads.split(",")
     pl["quick"] = args.quick
     res: dict[str, Any] = {
-        "quick": args.quick, "plan": pl, "cpus": os.cpu_count(),
+        "quick": args.quick, "plan": pl, "cpus": os.cpu_count(), "machine": machine(),
         "engine_blocks": ENGINE_BLOCKS, "host_blocks": host_blocks(), "block_tokens": BLOCK,
         "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "arms": {},
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

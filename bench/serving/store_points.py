@@ -28,8 +28,8 @@ tokens served from the engine's prefix cache, from the kvseal tier
 and computed, and the store's own counters from the daemon's ``/metrics``.
 
     python -m bench.serving.store_points [--quick] [--reps N] [--work DIR] [--out FILE]
-    python -m bench.serving.store_points --report RESULTS.json [--md docs/serving.md]
-                                          [--png docs/serving-store.png]
+    python -m bench.serving.store_points --report RESULTS.json
+        [--md bench/serving/history/README.md] [--png docs/serving-store.png]
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.serving.arms import BLOCK, ENGINE_BLOCKS, HOST_BLOCKS, Arm, free_port  # noqa: E402
 from bench.serving.model import KV_BYTES_PER_TOKEN  # noqa: E402
-from bench.serving.report import _median_point, write_section  # noqa: E402
-from bench.serving.run import measure, prepare, stop_on_signals  # noqa: E402
+from bench.serving.report import _median_point, where, write_section  # noqa: E402
+from bench.serving.run import machine, measure, prepare, stop_on_signals  # noqa: E402
 from bench.serving.workloads import (  # noqa: E402
     PROBE,
     Client,
@@ -361,6 +361,8 @@ def plot(res: dict[str, Any], png: str) -> None:
     bx.set_title("second round: where prompt tokens came from", fontsize=9)
     bx.set_ylim(0, 1.3)
     bx.legend(fontsize=7, loc="upper center", ncol=3)
+    # Where it ran, on the figure itself: a PNG travels without its page.
+    fig.suptitle(f"sealed store tier, {where(res)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -398,7 +400,8 @@ def main() -> None:
         pl["reps"] = args.reps
     key = key_file(work / "store.key")
     res: dict[str, Any] = {
-        "quick": args.quick, "plan": pl, "cpus": os.cpu_count(), "store_bytes": STORE_BYTES,
+        "quick": args.quick, "plan": pl, "cpus": os.cpu_count(), "machine": machine(),
+        "store_bytes": STORE_BYTES,
         "engine_blocks": ENGINE_BLOCKS, "host_blocks": HOST_BLOCKS, "block_tokens": BLOCK,
         "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "runs": [],
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

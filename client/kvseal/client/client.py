@@ -314,6 +314,24 @@ class KVSealClient:
         )
         return int(r.dropped_blocks)
 
+    def release(
+        self,
+        pool_id: str,
+        tenant: bytes,
+        block_hashes: Sequence[bytes],
+        timeout: float | None = None,
+    ) -> int:
+        """Write-back: release the host copies of blocks restored with
+        ``release=False`` once the whole load they belong to verified (the
+        proto's ReleaseRequest). Returns how many left the tier; absent
+        blocks are skipped."""
+        r = self._call(
+            "Release",
+            pb.ReleaseRequest(pool_id=pool_id, tenant=tenant, block_hashes=block_hashes),
+            timeout,
+        )
+        return int(r.released_blocks)
+
     def stats(self, pool_id: str = "") -> pb.StatsReply:
         """The daemon's Stats, scoped to the caller (``reply.scope``): with
         ``pool_id`` (a pool this client registered), that pool's requests and its

@@ -465,3 +465,20 @@ class EnginePool:
             return True
 
         return self._guarded(call, False)
+
+    def release(
+        self, tenant: bytes, block_hashes: Sequence[bytes], timeout: float | None = None
+    ) -> bool:
+        """Write-back: release the host copies of blocks this pool restored
+        with ``release=False`` (call it once the whole load verified). True:
+        the daemon answered (the blocks it still held left its tier). False
+        (daemon down, no handle): nothing is known to have been released; the
+        copies may stay cached, which costs host memory, never data."""
+        if not block_hashes:
+            return True
+
+        def call(h: PoolHandle) -> bool:
+            self.client.release(h.pool_id, tenant, block_hashes, timeout=timeout)
+            return True
+
+        return self._guarded(call, False)

@@ -198,6 +198,17 @@ class KVPool:
     def cuda(self) -> bool:
         return self.backend == pb.BACKEND_CUDA
 
+    def page_regions(self) -> list[tuple[int, int, int, int]]:
+        """Per layer (segment order): ``(base address, page stride, pages, page
+        bytes)`` of the memory registered with the daemon (a CPU address in the
+        shared-memory object, or a CUDA device address). What an engine that
+        names pages by address (vLLM >= 0.34) is checked against: only these
+        pages are ever read or written."""
+        return [
+            (int(v.data_ptr()), int(v.stride(0)), int(v.shape[0]), int(v.shape[1]))
+            for v in self._views
+        ]
+
     def engine_event(self) -> EngineEvent | None:
         """CUDA: an interprocess event recorded now on the current stream of the
         KV cache's device, i.e. after every kernel the engine has issued so far
@@ -235,6 +246,11 @@ class KVPool:
         return self.pool.restore(
             tenant, hashes, pages, release, cuda_event_ipc_handle=_handle(event), timeout=timeout
         )
+
+    def release(self, tenant: bytes, hashes: Sequence[bytes], timeout: float | None = None) -> bool:
+        """Write-back: release blocks restored with ``release=False`` once
+        the whole load verified (:meth:`EnginePool.release`; never raises)."""
+        return self.pool.release(tenant, hashes, timeout=timeout)
 
     def close(self) -> None:
         """Release the pool for good (the worker's shutdown). CPU: the KV

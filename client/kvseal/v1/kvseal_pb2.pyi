@@ -340,6 +340,22 @@ class DropReply(_message.Message):
     dropped_blocks: int
     def __init__(self, dropped_blocks: _Optional[int] = ...) -> None: ...
 
+class ReleaseRequest(_message.Message):
+    __slots__ = ("pool_id", "tenant", "block_hashes")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    tenant: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool_id: _Optional[str] = ..., tenant: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released_blocks",)
+    RELEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    released_blocks: int
+    def __init__(self, released_blocks: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ("pool_id",)
     POOL_ID_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class KVSealStub:
                 request_serializer=kvseal_dot_v1_dot_kvseal__pb2.DropRequest.SerializeToString,
                 response_deserializer=kvseal_dot_v1_dot_kvseal__pb2.DropReply.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvseal.v1.KVSeal/Release',
+                request_serializer=kvseal_dot_v1_dot_kvseal__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvseal_dot_v1_dot_kvseal__pb2.ReleaseReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvseal.v1.KVSeal/Stats',
                 request_serializer=kvseal_dot_v1_dot_kvseal__pb2.StatsRequest.SerializeToString,
@@ -146,6 +151,12 @@ class KVSealServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -200,6 +211,11 @@ def add_KVSealServicer_to_server(servicer, server):
                     servicer.Drop,
                     request_deserializer=kvseal_dot_v1_dot_kvseal__pb2.DropRequest.FromString,
                     response_serializer=kvseal_dot_v1_dot_kvseal__pb2.DropReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvseal_dot_v1_dot_kvseal__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvseal_dot_v1_dot_kvseal__pb2.ReleaseReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -428,6 +444,33 @@ class KVSeal:
             '/kvseal.v1.KVSeal/Drop',
             kvseal_dot_v1_dot_kvseal__pb2.DropRequest.SerializeToString,
             kvseal_dot_v1_dot_kvseal__pb2.DropReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvseal.v1.KVSeal/Release',
+            kvseal_dot_v1_dot_kvseal__pb2.ReleaseRequest.SerializeToString,
+            kvseal_dot_v1_dot_kvseal__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

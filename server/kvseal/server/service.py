@@ -46,7 +46,7 @@ Hook = Callable[[str, grpc.StatusCode], None]
 SERVICE = pb.DESCRIPTOR.services_by_name["KVSeal"]
 # Block RPCs: their (pool_id, tenant) is noted before they run, for WatchEvents.
 # (Lookup notes it itself, under the pool lease it takes anyway.)
-_TENANT_RPCS = frozenset({"Touch", "Offload", "Restore", "Drop"})
+_TENANT_RPCS = frozenset({"Touch", "Offload", "Restore", "Drop", "Release"})
 
 
 HOLD_WITHIN_METADATA_KEY = "kvseal-hold-within-ms"
@@ -345,6 +345,11 @@ class KVSealServicer(pb_grpc.KVSealServicer):
             all_of_tenant=request.all_of_tenant,
         )
         return pb.DropReply(dropped_blocks=n)
+
+    @handler
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
+        n = self.cache.release(request.pool_id, request.tenant, list(request.block_hashes))
+        return pb.ReleaseReply(released_blocks=n)
 
     @handler
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:

@@ -539,6 +539,19 @@ class SealedCache(TenantBook):
         log.error("INTEGRITY FAILURE in pool %s: %s; policy drop: removed", pool.pool_id, msg)
 
     @request
+    def release(self, pool_id: str, tenant: bytes, hashes: Sequence[bytes]) -> int:
+        """Release restored blocks' host copies (write-back, see the proto's
+        ReleaseRequest): what a Restore with ``release`` does after its
+        writes, without a restore. Blocks absent or not READY are skipped;
+        returns how many left the tier. Only the index changes (the store's
+        copies are not touched), so nothing here can fail half-way."""
+        check_tenant(tenant)
+        check_hashes(hashes, self.config.max_batch_blocks)
+        with self.pools.use(pool_id) as pool:
+            released = self.index.release(pool.namespace, tenant, hashes)
+        return len(released)
+
+    @request
     def drop(
         self, pool_id: str, tenant: bytes, hashes: Sequence[bytes], *, all_of_tenant: bool
     ) -> int:

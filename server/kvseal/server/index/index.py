@@ -447,6 +447,23 @@ class Index:
                 self._consider(e)
             return released, bad
 
+    def release(self, ns: bytes, tenant: bytes, hashes: Sequence[bytes]) -> list[Entry]:
+        """Write-back's release of blocks restored without it (the Release
+        RPC): each named visible READY block leaves the tier as
+        :meth:`complete_restore` with ``release`` takes it (children kept and
+        unlinked), announced RELEASED. An absent, PENDING, doomed or removed
+        block is skipped. A block another restore has pinned leaves the map
+        now and its extent is freed when that restore unpins it. Returns the
+        entries released."""
+        with self._lock:
+            released: list[Entry] = []
+            for h in hashes:
+                e = self._map.get((ns, tenant, h))
+                if e is not None and e.visible:
+                    released.extend(self._remove(e, cascade=False, reparent=True))
+            self._announce("REMOVED", Removal.RELEASED, released)
+            return released
+
     # ----------------------------------------------------------- drop
 
     def drop(self, ns: bytes, tenant: bytes, hashes: Sequence[bytes] | None) -> list[Entry]:
