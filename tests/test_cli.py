@@ -145,3 +145,25 @@ def test_a_relative_socket_path_works(daemon: DaemonProc) -> None:
         cwd=sock_dir,
     )
     assert r.returncode == 0 and r.stdout.strip() == "SERVING", r.stderr[-2000:]
+
+
+def test_stats_says_that_engines_lookups_are_not_counted(daemon: DaemonProc) -> None:
+    """An engine's prefix hits are answered by its mirror of the tier, with no
+    Lookup call: a user who watched restores grow beside ``lookups 0`` was
+    misled. The text output says so on the two lookup lines; after a real
+    offload, lookup and restore the counts are still the daemon's numbers, and
+    --json carries no note."""
+    with SharedKVPool(KVShape(4, 4, 2, 2, 16), "vllm_per_layer") as pool, daemon.client() as c:
+        h = c.register_pool("stats-note", b"model:stats-note", pool.geometry())
+        hashes = [bytes([i]) * 32 for i in (1, 2)]
+        c.offload(h.pool_id, tenant_digest(None), hashes, [0, 1])
+        c.restore(h.pool_id, tenant_digest(None), hashes, [2, 3])
+        r = _kvseal("--socket", daemon.socket, "stats")
+        js = _kvseal("--socket", daemon.socket, "stats", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()}
+    assert lines["lookups"].split()[1] == "0"  # no Lookup call was made ...
+    assert lines["restored_blocks"].split()[1] == "2"  # ... while blocks were restored
+    assert "mirror" in lines["lookups"] and "restored_blocks" in lines["lookups"]
+    assert "Lookup calls" in lines["lookup_hit_blocks"]
+    assert "mirror" not in js.stdout and json.loads(js.stdout)["lookups"] == 0

@@ -38,6 +38,18 @@ _INTEGER_TYPES = frozenset(
 )
 
 
+# What a field's count does not say, printed on its line of ``kvseal stats``
+# (text only: --json stays the bare StatsReply). Engines' prefix hits do not
+# reach ``lookups``: the vLLM and SGLang adapters answer a lookup from their
+# mirror of the tier, with no Lookup call, so a user watching an engine being
+# served from the tier saw 0 lookups beside a growing restored_blocks.
+FIELD_NOTES = {
+    "lookups": "(Lookup calls only: engines answer their lookups from their mirror"
+    " of the tier without one; their hits show in restored_blocks)",
+    "lookup_hit_blocks": "(blocks found by those Lookup calls, not the engines' hits)",
+}
+
+
 def stats_document(s: pb.StatsReply) -> dict[str, object]:
     """``s`` as a JSON-ready dict: every field (zeros too), proto field names,
     enums by name, and every integer a number. (Protobuf's JSON mapping writes
@@ -85,7 +97,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         names = [f.name for f in s.DESCRIPTOR.fields if f.name in doc]
         width = max(len(k) for k in names)
         for k in names:
-            print(f"{k:<{width}}  {doc[k]}")
+            note = f"  {FIELD_NOTES[k]}" if k in FIELD_NOTES else ""
+            print(f"{k:<{width}}  {doc[k]}{note}")
         if s.scope == pb.STATS_SCOPE_FACTS:
             # The quick start's first surprise: all zeros with an engine attached.
             print(
@@ -260,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "stats",
         help="print the daemon's counters and configuration, one field a line in "
-        "StatsReply's field order (--json: keys sorted, every integer a JSON number). "
+        "StatsReply's field order, a note after lookups and lookup_hit_blocks (engines "
+        "answer their lookups from their own mirror, so these count Lookup calls only; "
+        "--json: keys sorted, every integer a JSON number, no notes). "
         "Scoped to the caller: the whole daemon for an --operator-uid of the daemon, "
         "one pool's with --pool, else the configuration only, every count 0 (the "
         "'scope' field says which)",
