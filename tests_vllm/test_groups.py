@@ -67,7 +67,7 @@ def _attn(window: int | None = None) -> Any:
     return SlidingWindowSpec(sliding_window=window, **kw) if window else FullAttentionSpec(**kw)
 
 
-def _hybrid_configs(sockets: list[str]) -> tuple[Any, Any]:
+def _hybrid_configs(sockets: list[str], **extra: Any) -> tuple[Any, Any]:
     """vLLM's OffloadingConfig and KVCacheConfig of a Gemma-3-like model: one
     full-attention layer and one sliding-window layer (64 tokens), each its
     own group, sharing one KV tensor."""
@@ -77,7 +77,14 @@ def _hybrid_configs(sockets: list[str]) -> tuple[Any, Any]:
         OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=(names[1],), group_id=FULL_G),
         OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=(names[0],), group_id=SWA_G),
     )
-    cfg = type(base)(**{**base.__dict__, "groups": groups, "worker_kv_bytes_per_block": PAGE})
+    cfg = type(base)(
+        **{
+            **base.__dict__,
+            "groups": groups,
+            "worker_kv_bytes_per_block": PAGE,
+            "extra_config": {**base.extra_config, **extra},
+        }
+    )
     kv = KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[
@@ -105,10 +112,10 @@ class Hybrid:
     """One rank: the spec, a worker over one shared-memory tensor that both
     groups' blocks live in (vLLM's hybrid layout), and the scheduler's manager."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, **extra: Any) -> None:
         from kvseal.core import shm_kv
 
-        cfg, kv = _hybrid_configs([daemon.target])
+        cfg, kv = _hybrid_configs([daemon.target], **extra)
         self.spec = _spec(cfg, kv)
         with shm_kv.shm_kv_allocation():
             self.buf = torch.zeros(NUM_BLOCKS * PAGE, dtype=torch.int8)
@@ -372,3 +379,47 @@ def test_one_groups_block_failing_fails_the_hybrid_restore_and_the_rest_comes_ba
     with h.mgr.lock:
         assert [h.mgr.lookup(k, req) for k in full] == [LookupResult.HIT] * 2
         assert h.mgr.lookup(swa, req) == LookupResult.MISS
+
+
+def test_write_back_releases_a_hybrid_load_only_once_every_group_verified(
+    tmp_path: Path,
+) -> None:
+    """Write-back, a hybrid load whose sliding-window part fails (its block
+    tampered): the full-attention part verified, but its host copies are not
+    released, so they are still in the tier and a later load restores them.
+    That load, every part of which verifies, releases them (one tier)."""
+    d = Daemon(tmp_path / "d", extra=("--on-integrity-failure", "drop")).start()
+    h = Hybrid(d, kvseal_write_back=True)
+    try:
+        assert h.worker.write_back
+        req = _req("r5", "tenant-5")
+        h.mgr.on_new_request(req)
+        vh = [bytes([40 + i]) * 32 for i in range(2)]
+        full = [_okey(x, FULL_G) for x in vh]
+        swa = _okey(vh[1], SWA_G)
+        want = [h.fill(blk, seed=50 + blk) for blk in (0, 1, 2)]
+        h.job(True, req, full, [[0, 1], []])
+        r0 = d.region.read_bytes()
+        h.job(True, req, [swa], [[], [2]])
+        off = _slot_of(d.region, r0)
+        cur = d.region.read_bytes()
+        with open(d.region, "r+b") as f:  # the host flips one byte of the SWA block
+            f.seek(off + 100)
+            f.write(bytes([cur[off + 100] ^ 0xFF]))
+        tenant = tenant_digest("tenant-5", key=manager.TENANT_KEY)
+        hashes = [keys.kvseal_hash(x) for x in vh]
+        kv = h.worker.pools[0]
+        job = h.job(False, req, [*full, swa], [[8, 9], [10]])
+        assert h.worker.take_failed_load_jobs() == {job}
+        assert kv.pool.lookup(tenant, hashes) == 2  # not released: the load failed
+        with h.mgr.lock:
+            h.mgr.load_failed([*full, swa], req)
+        for blk in (11, 12):
+            h.buf[blk * PAGE : (blk + 1) * PAGE] = 0
+        h.job(False, req, full, [[11, 12], []])
+        assert h.worker.take_failed_load_jobs() == set()
+        assert [h.page(11), h.page(12)] == want[:2]
+        assert kv.pool.lookup(tenant, hashes) == 0  # verified whole: released
+    finally:
+        h.close()
+        d.stop()

@@ -453,17 +453,24 @@ class KVSealOffloadingWorker(OffloadingWorker):
         run at once, each an all-or-nothing ``Restore`` of its own group (a
         failed part writes none of its pages); the parts that verified are
         written even when another failed, but vLLM frees the request's blocks
-        uncached when its receive failed, so nothing of it is ever used."""
+        uncached when its receive failed, so nothing of it is ever used.
+        Write-back: the parts restore without release and the host copies
+        are released (one Release per part) only once every part verified, so
+        a failed job leaves every group's blocks in the host tier for a later
+        load. A Release that fails leaves a copy cached: host memory, not data."""
         sp = job.spec
 
         def load(p: _Part) -> bool:
-            ok = p.pool.restore(sp.tenant, p.hashes, p.pages, release=self.write_back,
-                                event=job.event)  # fmt: skip
+            ok = p.pool.restore(sp.tenant, p.hashes, p.pages, release=False, event=job.event)
             self._count(self.layouts[p.index].group_id, "restored" if ok else "failed",
                         len(p.pages))  # fmt: skip
             return ok
 
-        return [] if all(_each(self._load_parts, load, parts)) else job.pages
+        if not all(_each(self._load_parts, load, parts)):
+            return job.pages
+        if self.write_back:
+            _each(self._load_parts, lambda p: p.pool.release(sp.tenant, p.hashes), parts)
+        return []
 
     def _count(self, gid: int, what: str, n: int) -> None:
         with self._cv:
