@@ -7,6 +7,8 @@
 #   make test-vllm-033  vLLM 0.33's own scheduler and connector code against a real
 #                     daemon (no CPU engine of 0.33 exists): the 0.33 wheel installed
 #                     --no-deps into .venv-vllm/vllm033, first on PYTHONPATH
+#   make test-vllm-034  the same suite (tests_vllm/v033) against vLLM 0.34's code,
+#                     from .venv-vllm/vllm034
 #   make bench-vllm   scheduler-side lookup cost: kvseal's manager vs vLLM's own
 
 VLLM_PYTHON ?= python3.11
@@ -17,7 +19,10 @@ VLLM_STAMP  := $(VLLM_VENV)/.installed
 VLLM033_DIR   := $(VLLM_VENV)/vllm033
 VLLM033_STAMP := $(VLLM033_DIR)/.installed
 
-.PHONY: venv-vllm test-vllm test-vllm-033 bench-vllm
+VLLM034_DIR   := $(VLLM_VENV)/vllm034
+VLLM034_STAMP := $(VLLM034_DIR)/.installed
+
+.PHONY: venv-vllm test-vllm test-vllm-033 test-vllm-034 bench-vllm
 
 venv-vllm: $(VLLM_STAMP)
 
@@ -38,7 +43,16 @@ $(VLLM033_STAMP): $(VLLM_STAMP) requirements-vllm033.txt
 	touch $@
 
 test-vllm-033: $(VLLM033_STAMP)
-	PYTHONPATH=$(abspath $(VLLM033_DIR)) $(VLLM_PY) -m pytest tests_vllm/v033 -o timeout=600 -p no:cacheprovider $(PYTEST_ARGS)
+	KVSEAL_VLLM_EXPECT=0.33 PYTHONPATH=$(abspath $(VLLM033_DIR)) $(VLLM_PY) -m pytest tests_vllm/v033 -o timeout=600 -p no:cacheprovider $(PYTEST_ARGS)
+
+# The same connector-level suite against vLLM 0.34 (its tests read vllm.__version__).
+$(VLLM034_STAMP): $(VLLM_STAMP) requirements-vllm034.txt
+	rm -rf $(VLLM034_DIR)
+	$(VLLM_PY) -m pip install --quiet --no-deps --target $(VLLM034_DIR) -r requirements-vllm034.txt
+	touch $@
+
+test-vllm-034: $(VLLM034_STAMP)
+	KVSEAL_VLLM_EXPECT=0.34 PYTHONPATH=$(abspath $(VLLM034_DIR)) $(VLLM_PY) -m pytest tests_vllm/v033 -o timeout=600 -p no:cacheprovider $(PYTEST_ARGS)
 
 bench-vllm: venv-vllm
 	$(VLLM_PY) tests_vllm/bench_lookup.py $(ARGS)

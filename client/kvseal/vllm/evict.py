@@ -78,7 +78,6 @@ groups), it logs one WARNING saying why and the manager runs write-through.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
@@ -315,6 +314,8 @@ class EvictionOffload:
             log.warning("kvseal: writing %s failed: %s", path, e)
 
     def _bind(self, frame: FrameType | None) -> str | None:
+        from kvseal.vllm import compat  # noqa: PLC0415 - vLLM's internals: one module
+
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: PLC0415
             OffloadingConnectorMetadata,
         )
@@ -330,17 +331,12 @@ class EvictionOffload:
         sched: Any = frame.f_locals.get("self") if frame is not None else None
         if not isinstance(sched, OffloadingConnectorScheduler) or sched.manager is not self._m:
             return "the manager was not called by vLLM's OffloadingConnectorScheduler"
-        conn, f = None, frame.f_back if frame is not None else None
-        for _ in range(_FRAMES):
-            if f is None:
-                break
-            o = f.f_locals.get("self")
-            if getattr(o, "connector_scheduler", None) is sched:
-                conn = o
-                break
-            f = f.f_back
-        kvm = getattr(conn, "_kv_cache_manager", None)
-        pool = getattr(kvm, "block_pool", None)
+        conn = compat.find_caller(
+            frame.f_back if frame is not None else None,
+            lambda o: getattr(o, "connector_scheduler", None) is sched,
+            _FRAMES,
+        )
+        pool = compat.block_pool_of(conn)
         if not isinstance(pool, BlockPool):
             return "no block pool bound to the connector (bind_kv_cache_manager)"
         for obj, names in (
@@ -350,15 +346,12 @@ class EvictionOffload:
             missing = [n for n in names if not callable(getattr(obj, n, None))]
             if missing:
                 return f"{type(obj).__name__} has no {', '.join(missing)}"
-        if not isinstance(getattr(pool, "_reuse_watchers", None), dict):
+        if not isinstance(compat.reuse_watchers(pool), dict):
             return "BlockPool has no _reuse_watchers dict (no reuse watchers in this vLLM)"
         q = pool.free_block_queue
         if not all(hasattr(q, a) for a in ("fake_free_list_head", "fake_free_list_tail")):
             return "FreeKVCacheBlockQueue is not the linked list this mode walks"
-        try:
-            src = inspect.getsource(type(pool).get_new_blocks)
-        except (OSError, TypeError):
-            src = ""
+        src = compat.source_of(type(pool).get_new_blocks)
         if "_notify_reuse" not in src or "popleft_n" not in src:
             return (
                 "BlockPool.get_new_blocks does not pop the queue's head and notify reuse watchers"
@@ -418,6 +411,8 @@ class EvictionOffload:
     def _scan(self) -> dict[int, Any]:
         """Store jobs for the free blocks within the horizon that have a hash,
         were offered, and are neither in the tier nor being stored."""
+        from kvseal.vllm import compat  # noqa: PLC0415 - imports vLLM
+
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: PLC0415
             TransferJob,
         )
@@ -428,7 +423,7 @@ class EvictionOffload:
         self.stats["scans"] += 1
         pool, g = self._pool, self._m.groups[0]
         q = pool.free_block_queue
-        tail, watchers = q.fake_free_list_tail, pool._reuse_watchers
+        tail, watchers = q.fake_free_list_tail, compat.reuse_watchers(pool)
         offers, by_block, inflight = self._offers, self._by_block, self._inflight
         seen = self._seen
         picked: dict[bytes, list[tuple[Any, bytes, bytes, bytes]]] = {}
@@ -457,7 +452,7 @@ class EvictionOffload:
             jobs: dict[int, Any] = {}
             for tenant, items in picked.items():
                 for seg in _chains(items):
-                    jid = self._sched._generate_job_id()
+                    jid = compat.new_job_id(self._sched)
                     ids = [it[0].block_id for it in seg]
                     job = _Job(
                         tenant, [it[1] for it in seg], [it[2] for it in seg], ids, self._workers
@@ -488,7 +483,9 @@ class EvictionOffload:
             if job.remaining > 0:
                 continue
             del self._jobs[jid]
-            watchers = self._pool._reuse_watchers
+            from kvseal.vllm import compat  # noqa: PLC0415 - imports vLLM
+
+            watchers = compat.reuse_watchers(self._pool)
             for bid in job.block_ids:
                 if self._by_block.get(bid) == jid:
                     del self._by_block[bid]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -44,7 +43,7 @@ __all__ = [
 from kvseal.client import load_tenant_key, tenant_digest
 from kvseal.core.mirror import DaemonMirror
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm import keys
+from kvseal.vllm import compat, keys
 from kvseal.vllm.evict import new_eviction
 from kvseal.vllm.metrics import (  # re-exported
     CONFIG_INFO_KEYS,
@@ -346,7 +345,7 @@ class KVSealOffloadingManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         if self.evict is not None and self.evict.state == "unbound":  # before any store
-            self.evict.bind(sys._getframe(1))
+            self.evict.bind(compat.caller_frame())
         # _tenant_of also names the tenant on every mirror's pool: the daemon
         # scopes their event streams to tenants named there.
         self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
@@ -453,7 +452,7 @@ class KVSealOffloadingManager(OffloadingManager):
         # Eviction mode binds to vLLM's scheduler objects (the caller's, vLLM's
         # OffloadingConnectorScheduler) at the first request or step, or falls back.
         if self.evict is not None and self.evict.state == "unbound":
-            self.evict.bind(sys._getframe(1))
+            self.evict.bind(compat.caller_frame())
 
     def has_pending_work(self) -> bool:
         return self.evict is not None and self.evict.busy
@@ -470,7 +469,8 @@ class KVSealOffloadingManager(OffloadingManager):
         return self._spec(tenant, [(self._first, hashes)], {0: parent})
 
     def touch(self, keys_: Collection[OffloadKey], req_context: ReqContext) -> None:
-        # Recency is the daemon's business (restores and re-offloads touch);
+        # vLLM 0.32/0.33 only (0.34 has no touch; compat.NAMES). Recency is the
+        # daemon's business (restores and re-offloads touch);
         # an RPC per touch would put the daemon back on the scheduler thread.
         return
 

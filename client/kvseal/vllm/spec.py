@@ -37,7 +37,7 @@ from typing import Any
 
 from kvseal.client.config import socket_target
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm import keys, orphan
+from kvseal.vllm import compat, keys, orphan
 from kvseal.vllm.evict import offload_mode
 from kvseal.vllm.groups import FULL, GroupLayout, describe_groups
 from kvseal.vllm.manager import (  # re-exported: the spec's public names
@@ -173,6 +173,18 @@ class KVSealOffloadingSpec(OffloadingSpec):
                 "kvseal: sync_load_budget_bytes ignored: this model has %d KV-cache "
                 "groups, and vLLM cannot recompute a failed expedited load of several",
                 len(self.layouts),
+            )
+            self.extra_config["sync_load_budget_bytes"] = 0
+        elif not compat.EXPEDITED_LOADS and self.extra_config.get("sync_load_budget_bytes"):
+            # vLLM 0.34 raises RuntimeError in its worker when a sync load fails (its
+            # request already ran on the unloaded KV). A kvseal load fails by design
+            # when a block is tampered with, evicted or late, so no sync load: every
+            # load is a regular one, whose failure vLLM recomputes (docs/vllm.md).
+            log.warning(
+                "kvseal: sync_load_budget_bytes ignored on vLLM %d.%d: a failed sync load "
+                "would crash the engine; loads run asynchronously and a failed one is "
+                "recomputed",
+                *compat.VERSION,
             )
             self.extra_config["sync_load_budget_bytes"] = 0
         raw = self.extra_config.get("kvseal_lookup_discovery")

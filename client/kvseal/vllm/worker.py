@@ -32,13 +32,13 @@ from typing import Any, Protocol
 from kvseal.client import ClientConfig, KVSealClient
 from kvseal.core.kv_pool import EngineEvent, KVPool
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm import keys
+from kvseal.vllm import compat, keys
 from kvseal.vllm.groups import GroupLayout
 from kvseal.vllm.manager import KVSealLoadStoreSpec
+from kvseal.vllm.pointers import PointerError
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
@@ -76,6 +76,10 @@ class _Job:
     # GPU blocks per offloaded group, in the config's group order (vLLM's
     # GPULoadStoreSpec.group_sizes); None: one group.
     group_sizes: list[int] | None = None
+    # Why vLLM's description of the GPU side was refused (vLLM 0.34: a device
+    # pointer outside a registered pool, kvseal.vllm.pointers): the job fails
+    # whole and no page is touched. "": accepted.
+    invalid: str = ""
 
 
 @dataclass
@@ -244,27 +248,38 @@ class KVSealOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------ vLLM API
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
+        """Queue an offload; never blocks. ``src_spec``: the GPU side, vLLM
+        0.32/0.33's ``GPULoadStoreSpec`` or 0.34's ``DevicePointers``
+        (:func:`kvseal.vllm.compat.job_pages`)."""
         assert isinstance(dst_spec, KVSealLoadStoreSpec)
-        pages = [int(b) for b in src_spec.block_ids]
-        return self._submit(_Job(job_id, True, dst_spec, pages, group_sizes=_sizes(src_spec)))
+        return self._submit(self._job(job_id, True, dst_spec, src_spec, False))
 
     def submit_load(
         self,
         job_id: int,
         src_spec: LoadStoreSpec,
-        dst_spec: GPULoadStoreSpec,
+        dst_spec: Any,
         expedited: bool = False,
     ) -> bool:
-        """Queue a restore; never blocks. ``expedited`` (vLLM >= 0.33 passes it for
-        a load its request needs in the current step, then waits for it) runs
-        on its own thread, ahead of every regular load and store."""
+        """Queue a restore; never blocks. ``dst_spec``: the GPU side (as in
+        :meth:`submit_store`). ``expedited`` (vLLM 0.33 passes it for a load its
+        request needs in the current step, then waits for it) runs on its own
+        thread, ahead of every regular load and store. kvseal turns such loads
+        off on vLLM 0.34, where a failed one crashes the engine
+        (:data:`kvseal.vllm.compat.EXPEDITED_LOADS`)."""
         assert isinstance(src_spec, KVSealLoadStoreSpec)
-        pages = [int(b) for b in dst_spec.block_ids]
-        job = _Job(job_id, False, src_spec, pages, bool(expedited), group_sizes=_sizes(dst_spec))
-        return self._submit(job)
+        return self._submit(self._job(job_id, False, src_spec, dst_spec, bool(expedited)))
+
+    def _job(
+        self, job_id: int, store: bool, spec: KVSealLoadStoreSpec, gpu: Any, expedited: bool
+    ) -> _Job:
+        try:
+            pages, sizes = compat.job_pages(gpu, self.pools)
+        except PointerError as e:
+            log.error("kvseal: job %d refused, nothing transferred: %s", job_id, e)
+            return _Job(job_id, store, spec, [], expedited, invalid=str(e))
+        return _Job(job_id, store, spec, pages, expedited, group_sizes=sizes)
 
     def _submit(self, job: _Job) -> bool:
         # On vLLM's thread, whose current stream issued the KV writes (store) and
@@ -351,22 +366,26 @@ class KVSealOffloadingWorker(OffloadingWorker):
             except Exception:  # never let a transfer kill the thread (vLLM would hang)
                 log.exception("kvseal: transfer job %d failed", job.job_id)
             dt = time.monotonic() - t0
+            bad = bool(failed) or bool(job.invalid)
             with self._cv:
                 if job.store:
                     self.stats["stores"] += 1
-                    self.stats["dropped_stores"] += bool(failed)
+                    self.stats["dropped_stores"] += bad
                 else:
                     self.stats["loads"] += 1
                     self.stats["expedited_loads"] += job.expedited
-                    if failed:
+                    if bad:
                         self.stats["failed_loads"] += 1
-                        self.stats["partial_loads"] += len(failed) < len(job.pages)
-                        self._failed_jobs[job.job_id] = failed
-                # vLLM's OffloadingConnector asserts success: a dropped store is
-                # just a later miss, and a failed load is reported as load errors
-                # (one group) or a failed receive (several).
+                        self.stats["partial_loads"] += 0 < len(failed) < len(job.pages)
+                        if not compat.NATIVE_FAILURES:
+                            self._failed_jobs[job.job_id] = failed
+                # vLLM 0.32/0.33's OffloadingConnector asserts success: a dropped
+                # store is just a later miss, and a failed load is reported as load
+                # errors (one group) or a failed receive (several). vLLM 0.34 takes
+                # the failure itself: a failed receive, recomputed (compat doc).
+                ok = not bad or not compat.NATIVE_FAILURES
                 self._done.append(
-                    TransferResult(job.job_id, True, len(job.pages) * self.block_bytes, dt)
+                    TransferResult(job.job_id, ok, len(job.pages) * self.block_bytes, dt)
                 )
                 self._pending.discard(job.job_id)
                 self._cv.notify_all()
@@ -516,8 +535,3 @@ def _each(
             log.exception("kvseal: a group's transfer raised")
             out.append(False)
     return out
-
-
-def _sizes(spec: GPULoadStoreSpec) -> list[int] | None:
-    sizes = getattr(spec, "group_sizes", None)
-    return [int(s) for s in sizes] if sizes is not None else None
