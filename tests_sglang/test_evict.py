@@ -284,6 +284,72 @@ def test_no_staging_block_drops_the_tail_and_stops_waiting(daemon: Daemon) -> No
         tree.close()
 
 
+def _expired_waits(slots: Any) -> list[float]:
+    """Spy on a tier's real :class:`~kvseal.sglang.staging.Slots`: the list
+    fills with the timeout of every ``take`` that waited (timeout > 0) and
+    got no block, i.e. every wait of the scheduler thread that ran out."""
+    expired: list[float] = []
+    take = slots.take
+
+    def _take(n: int, timeout: float | None = None) -> list[int]:
+        got: list[int] = take(n, timeout)
+        if not got and timeout:
+            expired.append(timeout)
+        return got
+
+    slots.take = _take
+    return expired
+
+
+def test_failed_seals_do_not_end_the_starvation(daemon: Daemon) -> None:
+    """A hung daemon (stopped): every seal's RPC runs out and fails. The
+    first eviction waits ``evict_wait_s`` for a staging block once, in vain;
+    the seals that fail after it free their block but do not end the
+    starvation, so the next evictions take the free block without waiting
+    (one wait in all, docs/sglang.md). Once the daemon runs again and a seal
+    succeeds, an eviction short of blocks waits again."""
+    tree = Tree(daemon.socket, offload_policy="evict", staging_bytes=BLOCK, evict_wait_s=0.2,
+                transfer_timeout_s=0.5)  # fmt: skip
+    try:
+        sealer = tree.linker.evict_sealer
+        assert sealer is not None and tree.linker.tiers["kv"].blocks == 1
+        expired = _expired_waits(tree.linker.tiers["kv"].slots)
+        pool = tree.linker.tiers["kv"].kv.pool
+        with _stopped(daemon):
+            for seed in range(20, 24):
+                # Past the pool's back-off, so that this eviction's seal reaches
+                # the stopped daemon and hangs (evictions seconds apart, as served).
+                assert _eventually(lambda: time.monotonic() >= pool._down_until)
+                tree.insert(prompt(seed, 3 * PAGE))
+                tree.cache.evict(EvictParams(num_tokens=3 * PAGE))
+                sealer.drain()  # its seal failed: the RPC ran out on the stopped daemon
+            assert len(expired) == 1 and tree.linker.stats["evict_waits_expired"] == 1
+            # Each eviction sealed its first page, in vain; the rest were dropped.
+            assert tree.linker.stats["evict_seal_failures"] == 4
+            assert tree.linker.stats["evict_dropped_pages"] == 4 * 2
+        # The daemon runs again: evictions seal their first page (the pool's
+        # back-off may fail the first tries) until one seal succeeded...
+        seeds = iter(range(30, 90))
+
+        def _sealed_one() -> bool:
+            tree.insert(prompt(next(seeds), 3 * PAGE))
+            tree.cache.evict(EvictParams(num_tokens=3 * PAGE))
+            sealer.drain()
+            return bool(tree.linker.stats["evict_sealed_pages"])
+
+        assert _eventually(_sealed_one)
+        assert len(expired) == 1  # ...and none of them waited
+        # ... after which an eviction short of blocks waits for them again
+        # (the daemon stopped once more, so the seal holding the block hangs).
+        with _stopped(daemon):
+            tree.insert(prompt(99, 3 * PAGE))
+            tree.cache.evict(EvictParams(num_tokens=3 * PAGE))
+            sealer.drain()
+        assert len(expired) == 2 and tree.linker.stats["evict_waits_expired"] == 2
+    finally:
+        tree.close()
+
+
 def test_hook_that_does_not_fit_falls_back_to_write_through(
     daemon: Daemon, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -46,8 +46,12 @@ Staging blocks are the bound: a copy waits up to ``evict_wait_s`` for free
 blocks (the sealer frees them as seals complete); pages that get none are
 not sealed (SGLang recomputes them when next needed, as it would alone), the
 tail of the node first so what is sealed stays a prefix. After one such
-expiry later evictions do not wait until a seal completed (a hung daemon
-costs the scheduler one wait, not one per leaf).
+expiry later evictions do not wait until a seal *succeeded*: a seal that
+failed (a hung daemon's RPC ran out, the pool backs off) frees its blocks but
+says nothing about the daemon being back, so it does not end the starvation.
+A hung daemon costs the scheduler one wait, not one per leaf or per failed
+seal; evictions meanwhile still take the blocks that are free, without
+waiting, so the first seal that succeeds (the daemon is back) ends it.
 """
 
 from __future__ import annotations
@@ -210,12 +214,14 @@ class EvictSealer:
         self.wait_s = wait_s
         self.stats = stats
         for k in ("evictions", "evict_sealed_pages", "evict_held_pages",
-                  "evict_dropped_pages", "evict_seal_failures"):  # fmt: skip
+                  "evict_dropped_pages", "evict_seal_failures",
+                  "evict_waits_expired"):  # fmt: skip
             stats.setdefault(k, 0)
         self._q: queue.Queue[Any] = queue.Queue()
         self._inflight: set[tuple[bytes, bytes]] = set()
         self._inflight_lock = threading.Lock()
-        # Set after a copy found no staging block in time; cleared by a seal.
+        # Set after a copy found no staging block in time; cleared only by a
+        # seal that succeeded (a failed one proves nothing about the daemon).
         self._starved = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvseal-evict-{rank}", daemon=True)
         self._thread.start()
@@ -281,6 +287,8 @@ class EvictSealer:
             wait = 0.0 if self._starved.is_set() else max(0.0, deadline - time.monotonic())
             slots = tier.slots.take(len(todo) - done, wait)
             if not slots:
+                if wait > 0:
+                    self.stats["evict_waits_expired"] += 1
                 self._starved.set()
                 break
             n = len(slots)
@@ -316,8 +324,8 @@ class EvictSealer:
                     ok = False
                 finally:
                     tier.slots.give(slots)
-                    self._starved.clear()
                 if ok:
+                    self._starved.clear()  # the daemon seals again: evictions may wait
                     tier.mirror.stored(tenant, hashes, since)
                     self.stats["evict_sealed_pages"] += len(hashes)
                 else:
