@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+from kvseal.sglang.keys import kvseal_hash
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -229,6 +230,92 @@ def test_write_back_keeps_each_page_in_one_tier(daemon: Daemon) -> None:
         assert ok
         for t, w in zip(tree.tensors, want, strict=True):
             assert torch.equal(t[again], w)
+    finally:
+        tree.close()
+
+
+def _sealed(tree: Tree, prompts: list[list[int]]) -> list[tuple[list[str], list[Any]]]:
+    """Insert ``prompts`` and evict them all (sealed at eviction); for each,
+    once the tier offers it whole: its page keys and the bytes its pages held
+    (one tensor per pool tensor)."""
+    wants = []
+    for ids in prompts:
+        slots = tree.insert(ids)
+        wants.append([t[slots].clone() for t in tree.tensors])
+    n = sum(len(ids) for ids in prompts)
+    assert tree.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted == n
+    tree.linker.evict_sealer.drain()  # type: ignore[union-attr]
+    assert tree.linker.stats["evict_sealed_pages"] == n // PAGE
+    out = []
+    for i, (ids, want) in enumerate(zip(prompts, wants, strict=True)):
+        assert _eventually(lambda ids=ids: tree.match([*ids, 5], "m")[0] == len(ids))
+        out.append((tree.match([*ids, 5], f"k{i}")[1], want))
+    return out
+
+
+def _drop(tree: Tree, page_keys: list[str]) -> None:
+    """The tier loses these blocks after SGLang's match (its LRU may evict
+    them while a load waits): a Drop on the linker's own pool."""
+    h = tree.linker.tiers["kv"].kv.pool.handle
+    assert h is not None
+    hashes = [kvseal_hash(k) for k in page_keys]
+    assert tree.linker.client.drop(h.pool_id, tree.linker.tenants.shared, hashes) == len(hashes)
+
+
+def _held(tree: Tree, page_keys: list[str]) -> int:
+    """The daemon's own Lookup (not the mirror): leading blocks it holds."""
+    hashes = [kvseal_hash(k) for k in page_keys]
+    return int(tree.linker.tiers["kv"].kv.pool.lookup(tree.linker.tenants.shared, hashes))
+
+
+def _same(tree: Tree, slots: Any, want: list[Any]) -> bool:
+    return all(torch.equal(t[slots], w) for t, w in zip(tree.tensors, want, strict=True))
+
+
+def test_write_back_chunked_load_releases_only_once_it_all_verified(daemon: Daemon) -> None:
+    """Write-back, a load restored in chunks of the free staging blocks (2)
+    whose second chunk fails (its blocks left the tier after the match): the
+    load fails and SGLang recomputes it, and the first chunk's blocks, which
+    verified, are still in the tier: a later load restores them (the same
+    bytes) and, verified whole, releases them."""
+    tree = Tree(daemon.socket, offload_policy="evict", write_back=True,
+                staging_bytes=2 * BLOCK, evict_wait_s=60)  # fmt: skip
+    try:
+        assert tree.linker.tiers["kv"].blocks == 2
+        ((keys, want),) = _sealed(tree, [prompt(40, 4 * PAGE)])
+        _drop(tree, keys[2:])
+        ok, _ = tree.load("c1", keys)
+        assert not ok and tree.linker.stats["released_pages"] == 0
+        assert _held(tree, keys) == 2  # the first chunk's host copies are still there
+        ok, back = tree.load("c2", keys[:2])
+        assert ok and tree.linker.stats["released_pages"] == 2
+        assert _same(tree, back, [w[: 2 * PAGE] for w in want])
+        assert _held(tree, keys) == 0  # verified whole: one tier again
+    finally:
+        tree.close()
+
+
+def test_write_back_async_batch_with_a_failed_request_releases_nothing(daemon: Daemon) -> None:
+    """Write-back, ``load_mode: async``: a batch of two loads, the second of
+    which fails (a block left the tier after the match). SGLang fails the
+    batch whole and recomputes both requests, so the first request's blocks,
+    which verified, stay in the tier; a later batch of that request alone
+    restores them and releases them."""
+    tree = Tree(daemon.socket, offload_policy="evict", write_back=True, load_mode="async",
+                evict_wait_s=60)  # fmt: skip
+    try:
+        (ka, want_a), (kb, _) = _sealed(tree, [prompt(41, 2 * PAGE), prompt(42, 2 * PAGE)])
+        _drop(tree, kb[1:])
+        assert tree.load("a1", ka)[0] and tree.load("b1", kb)[0]  # queued
+        index = tree.linker.start_layer_wise_loading()
+        assert not tree.linker.finish_layer_wise_loading(index)
+        assert tree.linker.stats["released_pages"] == 0
+        assert _held(tree, ka) == 2  # request a verified, but its batch failed: kept
+        ok, back = tree.load("a2", ka)
+        index = tree.linker.start_layer_wise_loading()
+        assert ok and tree.linker.finish_layer_wise_loading(index)
+        assert _same(tree, back, want_a)
+        assert tree.linker.stats["released_pages"] == 2 and _held(tree, ka) == 0
     finally:
         tree.close()
 

@@ -417,7 +417,9 @@ class KVSealLinker(UnifiedCacheLinker):
         self.stats["loads"] += 1
         if self.load_mode == "verified":
             ok = self._restore(tenant, jobs)
-            if not ok:
+            if ok:
+                self._release([(tenant, jobs)], self._load_timeout)
+            else:
                 self.stats["load_failures"] += 1
             return ok
         if rid in self._queued:
@@ -458,6 +460,8 @@ class KVSealLinker(UnifiedCacheLinker):
                     if ready is not None:
                         ready.synchronize()
                     ok = all([self._restore(tenant, jobs) for tenant, jobs in loads])
+                    if ok:  # the batch fails whole: release only once all of it verified
+                        self._release(loads, self.client.config.transfer_timeout_s)
                 except Exception:  # a bug here must fail the batch, not hang it
                     log.exception("kvseal linker: load batch failed")
                     ok = False
@@ -475,17 +479,26 @@ class KVSealLinker(UnifiedCacheLinker):
         verified load's ``load_timeout_s`` (SGLang's scheduler thread waits),
         or an async load's transfer timeout (a batch is not held forever
         either). False as soon as one component's restore fails: the pages
-        are the request's private slots, SGLang frees them and recomputes."""
+        are the request's private slots, SGLang frees them and recomputes.
+        Releases nothing (write-back): see :meth:`_release`."""
         verified = self.load_mode == "verified"
         budget = self._load_timeout if verified else self.client.config.transfer_timeout_s
         deadline = time.monotonic() + budget
-        # Write-back only once eviction mode runs: after a fallback to
-        # write-through nothing would seal a released page again.
-        release = self.write_back and self.offload_mode == "evict"
-        return all(
-            tier.restore(tenant, hashes, idx, deadline, release=release)
-            for tier, hashes, idx in jobs
-        )
+        return all(tier.restore(tenant, hashes, idx, deadline) for tier, hashes, idx in jobs)
+
+    def _release(self, loads: list[tuple[bytes, list[_Job]]], timeout: float) -> None:
+        """Write-back: release the host copies of ``loads``, every one of
+        which verified (SGLang uses all of them). Never before: a load that
+        fails (one chunk, one component, one request of an async batch) is
+        recomputed whole, and its pages must still be in the tier for the
+        next load. Only once eviction mode runs: after a fallback to
+        write-through nothing would seal a released page again. A release
+        that fails leaves the copies cached (costs memory, loses nothing)."""
+        if not (self.write_back and self.offload_mode == "evict"):
+            return
+        for tenant, jobs in loads:
+            for tier, hashes, _idx in jobs:
+                tier.release(tenant, hashes, timeout)
 
     # ------------------------------------------------------------ offload
 

@@ -138,9 +138,7 @@ class ComponentTier:
 
     # ------------------------------------------------------------ transfers
 
-    def restore(
-        self, tenant: bytes, hashes: list[bytes], idx: Any, deadline: float, release: bool = False
-    ) -> bool:
+    def restore(self, tenant: bytes, hashes: list[bytes], idx: Any, deadline: float) -> bool:
         """Restore ``hashes`` into SGLang's pages ``idx`` through staging, in
         chunks of the free staging blocks, all by ``deadline`` (monotonic; the
         wait for staging blocks included: an offload may hold them for a whole
@@ -148,9 +146,10 @@ class ComponentTier:
         chunk failed or the deadline passed; pages of earlier chunks hold
         verified blocks, the failed chunk's pages were not written, and the
         request recomputes all of them (its slots are private to it).
-        ``release`` (write-back): the daemon frees each block it restored; the
-        mirror drops them at once (before the daemon's removal event lands,
-        an eviction must find them absent and seal them again)."""
+        Nothing is released here, whatever the write mode: the host copies
+        stay until the caller knows the whole load verified (:meth:`release`),
+        so a later chunk's failure (or another request's in the batch) leaves
+        every block in the tier for the recompute's next load."""
         ipp = self.geometry.ipp
         pos = 0
         while pos < len(hashes):
@@ -168,16 +167,12 @@ class ComponentTier:
                     tenant,
                     hashes[pos : pos + n],
                     slots,
-                    release=release,
                     event=self.kv.engine_event(),
                     timeout=left,
                 )
                 if not ok:
                     self.mirror.forget(tenant, hashes[pos:])
                     return False
-                if release:
-                    self.mirror.released(tenant, hashes[pos : pos + n])
-                    self.stats["released_pages"] += n
                 st = torch.tensor(slots, dtype=torch.int64, device=self.device)
                 self.copier.scatter(self.staging, st, idx[pos * ipp : (pos + n) * ipp])
                 if self.cuda:  # the blocks are free again only once the copy read them
@@ -185,6 +180,19 @@ class ComponentTier:
             finally:
                 self.slots.give(slots)
             pos += n
+        return True
+
+    def release(self, tenant: bytes, hashes: list[bytes], timeout: float) -> bool:
+        """Write-back, once the whole load verified: the daemon frees these
+        restored blocks (one Release RPC) and the mirror drops them at once
+        (before the daemon's removal event lands, an eviction must find them
+        absent and seal them again). False (daemon down, RPC failed): the
+        copies stay in the tier and in the mirror, so the next eviction only
+        touches them; host memory is spent, no page is lost."""
+        if not self.kv.release(tenant, hashes, timeout=timeout):
+            return False
+        self.mirror.released(tenant, hashes)
+        self.stats["released_pages"] += len(hashes)
         return True
 
     def store(self, tenant: bytes, hashes: list[bytes], idx: Any, since: float) -> bool:
