@@ -537,3 +537,34 @@ def test_reused_buffers_give_each_block_its_own_bytes(make_store: MakeStore) -> 
     with pytest.raises(StoreIntegrityError):
         s.get(NS, T1, h("mid"), out)
     assert out == bytes(BLOCK), "wiped: no plaintext of a failed record"
+
+
+@pytest.mark.parametrize("record", ["marker", "floor"])
+@pytest.mark.parametrize("planted", ["fifo", "symlink"])
+def test_planted_scope_record_is_refused_once_and_removed(
+    make_store: MakeStore, record: str, planted: str
+) -> None:
+    """A marker or floor the host replaced with a FIFO or a symlink is refused
+    (never opened beyond O_NONBLOCK, never followed) and removed like any failed
+    record: the next lookup of the tenant does not meet it again."""
+    s = make_store()
+    s.put(NS, T1, h("b"), kv("b"))
+    s.put(NS, T2, h("b"), kv("b2"))
+    path = Path(s.scope_path(NS, T1) if record == "marker" else s.floor_path(NS, T1))
+    target = path.parent / "elsewhere"
+    target.write_bytes(b"not ours")
+    path.unlink()
+    if planted == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        path.symlink_to(target)
+    with pytest.raises(NotARegularFile):
+        s.get(NS, T1, h("b"))
+    assert not path.exists() and not path.is_symlink(), "removed, not kept"
+    assert target.read_bytes() == b"not ours", "a symlink's target is never touched"
+    # Afterwards the tenant works again: no second integrity failure.
+    s.get(NS, T1, h("b"))
+    s.put(NS, T1, h("c"), kv("c"))
+    assert s.get(NS, T1, h("c")) == kv("c")
+    assert s.stats().integrity_failures == 1
+    assert s.get(NS, T2, h("b")) == kv("b2")

@@ -352,6 +352,28 @@ class StoreDir:
         finally:
             os.close(sfd)
 
+    def remove_planted(self, name: str) -> bool:
+        """Unlink whatever sits at ``name`` unless it is a regular file: the
+        FIFO, symlink or device node that :meth:`read` refused with
+        :class:`NotARegularFile` (a regular file there now was published since,
+        and is read on its own merits next time). A directory is not ours to
+        remove and stays. True if something was removed."""
+        sfd = self._shard_fd(self.shard_of(name), create=False)
+        if sfd is None:
+            return False
+        try:
+            st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+                return False
+            os.unlink(name, dir_fd=sfd)  # a symlink itself, never its target
+            return True
+        except OSError as e:
+            if e.errno in (*_GONE, errno.EISDIR, errno.EPERM):
+                return False
+            raise
+        finally:
+            os.close(sfd)
+
     def remove(self, name: str, ident: FileIdent | None = None) -> bool:
         """Unlink ``name``; with ``ident``, only if it is still that inode (a
         record found bad is removed, not a good one published since). True if

@@ -86,6 +86,7 @@ from dataclasses import dataclass
 from kvseal.server.keyarena import KeySlot, fill_random
 from kvseal.server.store.errors import (
     LengthMismatch,
+    NotARegularFile,
     ScopeChanged,
     StoreIntegrityError,
     UnsupportedVersion,
@@ -308,7 +309,14 @@ class ScopeTable:
     def _open(self, name: str, kind: int, payload_bytes: int, key: ScopeKey) -> bytearray | None:
         """The payload of the scope record ``name`` (None: absent, or a newer
         writer's format); removes it and raises on any failed check."""
-        got = self._dir.read(name, record_bytes(payload_bytes))
+        try:
+            got = self._dir.read(name, record_bytes(payload_bytes))
+        except NotARegularFile:
+            # Refused before a byte was read; removed like any failed record, or
+            # every later Lookup of the tenant would meet it again (DATA_LOSS,
+            # and under ``abort`` an exit of every daemon that reads it).
+            self._dir.remove_planted(name)
+            raise
         if got is None:
             return None
         data, ident = got
