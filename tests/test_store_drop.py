@@ -245,3 +245,60 @@ def test_drop_of_block_hashes_discards_their_queued_spills(
         assert not rig.in_store(A, victims[1]), "a dropped block's queued spill was published"
     finally:
         rig.close()
+
+
+def test_drop_of_block_hashes_between_victim_choice_and_snapshot_is_not_undone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--store-policy spill: an offload chooses its eviction victims (the index
+    marks them) and only then snapshots them for the store. A Drop naming a
+    victim that lands between the two used to find it neither in the index nor
+    in the spill queue, and the snapshot then published the dropped block: the
+    drop returned success and a Lookup still found it. The drop must win."""
+    rig = Rig(tmp_path, StorePolicy.SPILL, region=8 << 10)  # 8 blocks of 1 KiB
+    try:
+        victims = _chain(3, "a")
+        rig.offload(A, victims)
+        real = rig.tier._snapshot_victim
+        dropped: list[bool] = []
+
+        def drop_first(v: Any, mine: list[Any], mark: int) -> None:
+            if not dropped:  # the first victim's snapshot: the drop lands just before it
+                dropped.append(True)
+                rig.cache.drop(rig.pool_id, A, victims[1:2], all_of_tenant=False)
+            real(v, mine, mark)
+
+        monkeypatch.setattr(rig.tier, "_snapshot_victim", drop_first)
+        rig.offload(B, _chain(8, "b"))  # evicts every block of A
+        assert dropped, "the offload evicted A's blocks"
+        until(lambda: rig.in_store(A, victims[2]), "the other victims spilled")
+        until(lambda: rig.tier.sample().queued == 0, "the queue empty")
+        time.sleep(0.2)  # a late publication would land here (the assertion is not on time)
+        assert rig.in_store(A, victims[0])
+        assert not rig.in_store(A, victims[1]), "the dropped block was published by its snapshot"
+        _, states = rig.cache.index.lookup(rig.ns, A, victims)
+        assert states[1] is State.ABSENT, "the drop's block came back into the host tier"
+    finally:
+        rig.close()
+
+
+def test_named_drops_answer_for_victims_chosen_before_them() -> None:
+    """The log behind the check above: in progress, begun after the mark, or
+    older than what the log still holds (treated as dropped: a skipped spill
+    costs a miss, a published dropped block breaks the drop)."""
+    from kvseal.server.cache.storestate import NamedDrops
+
+    k, other = (b"ns", A), (b"ns", B)
+    d = NamedDrops(kept=2)
+    mark = d.mark()
+    seq = d.begin(k, [b"x"])
+    assert d.dropped_since(mark, k, b"x") and not d.dropped_since(mark, k, b"y")
+    assert not d.dropped_since(mark, other, b"x"), "another tenant's block of that hash"
+    d.end(seq)
+    assert d.dropped_since(mark, k, b"x"), "ended, but begun after the mark"
+    assert not d.dropped_since(d.mark(), k, b"x"), "chosen after the drop: post-drop data"
+    late = d.mark()
+    d.end(d.begin(other, [b"a"]))
+    d.end(d.begin(other, [b"b"]))
+    assert not d.dropped_since(late, k, b"x")
+    assert d.dropped_since(mark, k, b"zzz"), "the log no longer reaches the mark"

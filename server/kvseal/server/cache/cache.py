@@ -345,12 +345,15 @@ class SealedCache(TenantBook):
             ns, size = pool.namespace, pool.block_bytes
             # What can fail before sealing fails before anything is reserved.
             deadline.check("the first page")
+            # Before the victims are chosen: a Drop naming one after this
+            # point skips its snapshot (StoreTier.drop_mark).
+            mark = self.store.drop_mark() if self.store is not None else 0
             with telemetry.stage("reserve"):
                 plan = self.index.begin_store(ns, tenant, parent_hash, hashes, size)
                 telemetry.annotate(evicted_blocks=len(plan.evicted), new_blocks=len(plan.new))
             if self.store is not None:  # before the victims' slots are reused
                 try:
-                    self.store.evicting(plan.evicted)
+                    self.store.evicting(plan.evicted, mark)
                 except BaseException:  # a snapshot failed (EIO, MemoryError): undo it all
                     self.index.abort_store(plan, ())  # nothing written: every victim back
                     raise

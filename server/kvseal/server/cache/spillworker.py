@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from kvseal.server.backends.base import Region
 from kvseal.server.cache.storeevents import StoreEvents
-from kvseal.server.cache.storestate import Fence, ScopeKey, Spill, StoreCounts
+from kvseal.server.cache.storestate import Fence, NamedDrops, ScopeKey, Spill, StoreCounts
 from kvseal.server.config import StorePolicy
 from kvseal.server.errors import BlockNotPresent
 from kvseal.server.index import Entry, Index, State
@@ -62,6 +62,7 @@ class SpillWorker:
     _spill_lock: threading.Lock
     _fences: dict[ScopeKey, Fence]
     _copying: list[Spill]
+    _named: NamedDrops
     _running: Spill | None
     _closed: bool
     _counts: StoreCounts
@@ -72,7 +73,14 @@ class SpillWorker:
         fence = self._fences.get((ns, tenant))
         return 0 if fence is None else fence.drops
 
-    def evicting(self, victims: Sequence[Entry]) -> None:
+    def drop_mark(self) -> int:
+        """Taken before the index chooses eviction victims, and handed to
+        :meth:`evicting`: a ``Drop(block_hashes)`` naming a victim that begins
+        after it (or runs meanwhile) skips that victim's snapshot."""
+        with self._cv:
+            return self._named.mark()
+
+    def evicting(self, victims: Sequence[Entry], mark: int) -> None:
         """An offload (or a promotion) doomed ``victims`` and is about to reuse
         their slots (spill policy: snapshot their ciphertext now). Runs on the
         request's thread: a copy of host memory per victim, nothing more.
@@ -89,7 +97,7 @@ class SpillWorker:
         mine: list[Spill] = []  # this call's snapshots, listed in _copying until queued
         try:
             for v in victims:
-                self._snapshot_victim(v, mine)
+                self._snapshot_victim(v, mine, mark)
         except BaseException:
             with self._cv:
                 for job in mine:
@@ -110,7 +118,7 @@ class SpillWorker:
                     self._queue.append(job)
             self._cv.notify()
 
-    def _snapshot_victim(self, v: Entry, mine: list[Spill]) -> None:
+    def _snapshot_victim(self, v: Entry, mine: list[Spill], mark: int) -> None:
         """Reserve room for ``v``'s snapshot and copy its ciphertext (listed in
         ``mine`` from its reservation on; see :meth:`evicting`)."""
         rec = v.record
@@ -120,7 +128,8 @@ class SpillWorker:
         ns, tenant, h = v.key
         with self._cv:
             if (
-                len(self._queue) + len(self._copying) >= MAX_QUEUED_BLOCKS
+                self._named.dropped_since(mark, (ns, tenant), h)
+                or len(self._queue) + len(self._copying) >= MAX_QUEUED_BLOCKS
                 or self._queued_bytes + v.size > MAX_QUEUED_BYTES
             ):
                 self._counts.spills_skipped += 1

@@ -5,7 +5,8 @@ owns and locks every instance; nothing here takes a lock but
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvseal.server.sealing import SealRecord
@@ -46,6 +47,66 @@ class Fence:
         return not (self.drops or self.dropping or self.promoting)
 
 
+NAMED_DROPS_KEPT = 4096  # Drop(block_hashes) remembered for victims chosen before them
+
+
+class NamedDrops:
+    """Every ``Drop(block_hashes)`` by sequence number, for the eviction
+    snapshots of victims chosen before the drop began (the store tier holds
+    its ``_cv`` around every call).
+
+    An offload (or a promotion) takes :meth:`mark` before the index chooses
+    its victims, and snapshots each victim only if no drop naming it began
+    since the mark or is still in progress (:meth:`dropped_since`): a drop
+    that lands between the choice and the snapshot finds the block neither in
+    the index (already marked evicted) nor in the spill queue (not yet
+    snapshotted), so without this check the snapshot would publish a block
+    the drop reported removed. The log keeps the newest ``kept`` drops; a
+    mark older than the log answers "dropped" (the snapshot is skipped: the
+    store is a cache, a skipped spill costs a miss)."""
+
+    def __init__(self, kept: int = NAMED_DROPS_KEPT) -> None:
+        self._seq = 0
+        self._kept = kept
+        self._log: deque[tuple[int, ScopeKey, frozenset[bytes]]] = deque()
+        self._active: dict[int, tuple[ScopeKey, frozenset[bytes]]] = {}
+
+    def mark(self) -> int:
+        """The sequence number of the newest drop begun so far."""
+        return self._seq
+
+    def begin(self, key: ScopeKey, hashes: Sequence[bytes]) -> int:
+        """A drop of ``hashes`` of ``key`` begins; returns its number for :meth:`end`."""
+        self._seq += 1
+        named = frozenset(hashes)
+        self._log.append((self._seq, key, named))
+        self._active[self._seq] = (key, named)
+        while len(self._log) > self._kept:
+            self._log.popleft()
+        return self._seq
+
+    def end(self, seq: int) -> None:
+        """The drop ``seq`` finished (its queued and copying spills cancelled)."""
+        self._active.pop(seq, None)
+
+    def dropped_since(self, mark: int, key: ScopeKey, block_hash: bytes) -> bool:
+        """Whether a drop naming ``block_hash`` of ``key`` is in progress, or
+        began after ``mark`` (or the log no longer reaches back to ``mark``)."""
+        for k, named in self._active.values():
+            if k == key and block_hash in named:
+                return True
+        if mark >= self._seq:
+            return False
+        if not self._log or self._log[0][0] > mark + 1:
+            return True  # trimmed past the mark: unknown, so treated as dropped
+        for seq, k, named in reversed(self._log):
+            if seq <= mark:
+                break
+            if k == key and block_hash in named:
+                return True
+        return False
+
+
 @dataclass(frozen=True, slots=True)
 class DropFence:
     """A drop between :meth:`StoreTier.begin_drop` and :meth:`StoreTier.end_drop`."""
@@ -54,6 +115,7 @@ class DropFence:
     hashes: tuple[bytes, ...]  # empty: all of the tenant
     all_of_tenant: bool
     failed: str | None  # why the store's part failed at the beginning
+    named_seq: int = 0  # Drop(block_hashes): its number in NamedDrops
 
 
 @dataclass(slots=True)

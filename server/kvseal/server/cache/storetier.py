@@ -56,7 +56,11 @@ everything else here runs on one background thread. Contract:
 
   ``Drop(block_hashes)``: ``end_drop`` discards the queued (and running)
   spills of those hashes and deletes each one's object in the tenant's
-  current epoch (``FsStore.delete``). Descendants the index drop removed
+  current epoch (``FsStore.delete``). An eviction victim chosen before the
+  drop began and snapshotted after it is neither in the index nor in the
+  queue when the drop looks: the offload took a mark (:meth:`drop_mark`)
+  before the index chose its victims, and a victim that a drop named since
+  (or names meanwhile) is never snapshotted (``NamedDrops``). Descendants the index drop removed
   are not deleted from the store: a Lookup no longer reaches them through
   the dropped block's prefix, but a restore naming a descendant's hash
   directly may still promote it.
@@ -87,6 +91,7 @@ from kvseal.server.cache.storeevents import StoreEvents
 from kvseal.server.cache.storestate import (
     DropFence,
     Fence,
+    NamedDrops,
     PlaintextBuffers,
     ScopeKey,
     Spill,
@@ -150,6 +155,7 @@ class StoreTier(SpillWorker):
         self._fences: dict[ScopeKey, Fence] = {}
         self._buffers = PlaintextBuffers(FREE_BUFFER_BYTES)  # for promotions
         self._copying: list[Spill] = []  # eviction snapshots being copied
+        self._named = NamedDrops()  # Drop(block_hashes) vs snapshots of chosen victims
         self._running: Spill | None = None  # the spill thread's current job
         self._closed = False
         self._counts = StoreCounts()
@@ -277,6 +283,7 @@ class StoreTier(SpillWorker):
         which the caller must call after the index drop, whatever happened."""
         key = (ns, tenant)
         failed: str | None = None
+        named_seq = 0
         with self._spill_lock:
             with self._fence_lock, self._cv:
                 fence = self._fences.setdefault(key, Fence())
@@ -285,6 +292,8 @@ class StoreTier(SpillWorker):
                 if all_of_tenant:
                     fence.drops += 1
                     fence.dropping_all += 1
+                else:
+                    named_seq = self._named.begin(key, hashes)
             if all_of_tenant:
                 try:
                     self.store.delete_tenant(ns, tenant)
@@ -303,7 +312,9 @@ class StoreTier(SpillWorker):
                     # Abandoned at their check (never sealed back), but still
                     # reading: do not claim the drop complete while they run.
                     failed = f"{fence.promoting} store read(s) of the tenant still running"
-        return DropFence(key, () if all_of_tenant else tuple(hashes), all_of_tenant, failed)
+        return DropFence(
+            key, () if all_of_tenant else tuple(hashes), all_of_tenant, failed, named_seq
+        )
 
     def end_drop(self, drop: DropFence) -> StoreUnavailable | None:
         """The drop's second fence, after the index drop: discard the spills
@@ -338,6 +349,8 @@ class StoreTier(SpillWorker):
                 if drop.all_of_tenant:
                     fence.drops += 1  # anything queued inside the window is stale
                     fence.dropping_all -= 1
+                else:
+                    self._named.end(drop.named_seq)
                 if fence.idle():  # Drop(block_hashes) is frequent: keep no state for it
                     del self._fences[drop.key]
             if drop.all_of_tenant:
@@ -424,6 +437,7 @@ class StoreTier(SpillWorker):
             with self._cv:
                 if fence.changes != changes or fence.dropping:
                     return False  # a drop ran meanwhile: serve nothing read before it
+                mark = self._named.mark()  # before the victims are chosen
             try:
                 plan = self._index.begin_store(ns, tenant, None, hashes, size)
             except CapacityExhausted:
@@ -431,7 +445,7 @@ class StoreTier(SpillWorker):
         records: list[SealRecord | None] = []
         written = 0  # slots of plan.new that may hold new bytes (the victims there are lost)
         try:
-            self.evicting(plan.evicted)  # all or nothing: a failure undoes the plan below
+            self.evicting(plan.evicted, mark)  # all or nothing: a failure undoes the plan below
             out = bytearray(size + TAG_BYTES)
             for i, e in enumerate(plan.new):
                 plaintext = got.get(e.block_hash)
