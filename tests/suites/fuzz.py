@@ -80,10 +80,18 @@ FULL = (Code.RESOURCE_EXHAUSTED, "CAPACITY_EXHAUSTED")
 UNUSABLE = (Code.FAILED_PRECONDITION, "HANDLE_UNUSABLE")
 MISMATCH = (Code.FAILED_PRECONDITION, "BACKEND_MISMATCH")
 TAKEN = (Code.ALREADY_EXISTS, "POOL_NAME_TAKEN")
+# A valid Offload that raced a Drop of its tenant (docs/engine-contract.md).
+DROPPED = (Code.ABORTED, "TENANT_DROPPED")
 OK_ = (OK, "")
 # Statuses only the daemon itself sends: each carries its reason.
 DAEMON_CODES = frozenset(
-    {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.ALREADY_EXISTS}
+    {
+        Code.INVALID_ARGUMENT,
+        Code.NOT_FOUND,
+        Code.FAILED_PRECONDITION,
+        Code.ALREADY_EXISTS,
+        Code.ABORTED,
+    }
 )
 REASONS = frozenset(pb.ErrorReason.keys()) - {"ERROR_REASON_UNSPECIFIED"}
 # A status and reason a request may get; reason "*" matches any.
@@ -732,7 +740,7 @@ class Worker:
             grace_ms=1000,
             budget_us=30_000_000,
         )
-        res = self.fz.call("Offload", ser(req), "valid", frozenset({OK_, FULL}))
+        res = self.fz.call("Offload", ser(req), "valid", frozenset({OK_, FULL, DROPPED}))
         if res.reply is not None:
             rep = pb.OffloadReply.FromString(res.reply)
             outs = list(rep.outcomes)
@@ -1123,7 +1131,7 @@ class Worker:
 
     def _valid_expect(self, rpc: str) -> frozenset[tuple[Code, str]]:
         return {
-            "Offload": frozenset({OK_, FULL}),
+            "Offload": frozenset({OK_, FULL, DROPPED}),
             "Restore": frozenset({OK_, NO_BLOCK}),
         }.get(rpc, frozenset({OK_}))
 

@@ -66,6 +66,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOL_NAME_TAKEN: _ClassVar[ErrorReason]
     INTERNAL_ERROR: _ClassVar[ErrorReason]
     OBSERVER_POOL: _ClassVar[ErrorReason]
+    TENANT_DROPPED: _ClassVar[ErrorReason]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_CPU: Backend
 BACKEND_CUDA: Backend
@@ -105,6 +106,7 @@ CANCELLED: ErrorReason
 POOL_NAME_TAKEN: ErrorReason
 INTERNAL_ERROR: ErrorReason
 OBSERVER_POOL: ErrorReason
+TENANT_DROPPED: ErrorReason
 
 class BufferHandle(_message.Message):
     __slots__ = ("shm_name", "cuda_ipc_handle", "offset", "size", "device")

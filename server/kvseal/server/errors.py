@@ -102,6 +102,16 @@ class BlockNotPresent(KVSealError):
     reason = "BLOCK_NOT_PRESENT"
 
 
+class TenantDropped(KVSealError):
+    """An Offload lost a race with a Drop of its tenant: the keys its blocks
+    were sealed under were destroyed while it ran, so nothing was stored (the
+    drop wins, as if it came after the offload). A concurrency outcome, not a
+    malformed request: a retry seals under the tenant's fresh keys."""
+
+    code = grpc.StatusCode.ABORTED
+    reason = "TENANT_DROPPED"
+
+
 class CapacityExhausted(KVSealError):
     """The host tier cannot make room without evicting pinned/pending blocks."""
 

@@ -36,6 +36,7 @@ from kvseal.server.errors import (
     CapacityExhausted,
     IntegrityFailure,
     ShuttingDown,
+    TenantDropped,
     UnknownPool,
 )
 from kvseal.server.events import EventBus, Subscription
@@ -380,6 +381,11 @@ class SealedCache(TenantBook):
                 # Victims whose bytes no new block may have overwritten come
                 # back exactly as they were: a failed store evicts nothing else.
                 self.index.abort_store(plan, written_positions(exc, len(plan.new)))
+                if isinstance(exc, KeyDestroyed):  # a Drop of the tenant won the race
+                    raise TenantDropped(
+                        "a Drop of the tenant destroyed its keys while the blocks were "
+                        "sealed; nothing was stored"
+                    ) from exc
                 raise
             try:
                 if not self._serving:  # stopped (abort) while sealing: publish nothing
