@@ -41,7 +41,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvseal.core import shm_kv
-from kvseal.vllm import compat, logs, spec
+from kvseal.vllm import compat, logs, orphan, spec
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -58,6 +58,13 @@ log = logging.getLogger("kvseal.vllm")
 # vLLM imports this module in every process it runs kvseal in (API server, engine
 # core, worker): kvseal's log lines there get vLLM's format (kvseal.vllm.logs).
 logs.use_vllm_handlers()
+# The orphan watcher, armed at import: the earliest point kvseal runs in an engine
+# process (vLLM 0.32's engine core imports this module to resolve the KV cache
+# layout, after the model loaded and before any connector or spec is built). It
+# decides from the kernel's parent whenever it is armed, so an engine whose API
+# server was killed while it loaded still stops (kvseal.vllm.orphan); a no-op
+# outside multiprocessing children.
+orphan.stop_when_orphaned()
 
 
 def _name_the_spec(extra: dict[str, Any]) -> None:
