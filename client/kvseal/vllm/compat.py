@@ -55,6 +55,7 @@ __all__ = [
     "new_job_id",
     "reuse_watchers",
     "scheduler_job",
+    "set_reuse_watchers",
     "worker_load_jobs",
 ]
 
@@ -246,7 +247,7 @@ NAMES: tuple[Name, ...] = (
         "BlockPool._reuse_watchers",
         kind="init",
         private=True,
-        used_by="compat.reuse_watchers (evict)",
+        used_by="compat.reuse_watchers, compat.set_reuse_watchers (evict)",
     ),
     Name(_POOL, "BlockPool._notify_reuse", private=True, used_by="evict (bind check)"),
     Name(_POOL, "BlockPool.get_new_blocks", params=("self", "num_blocks"), used_by="evict"),
@@ -345,6 +346,15 @@ def reuse_watchers(pool: Any) -> Any:
     """The block pool's private ``_reuse_watchers`` (block id -> callback fired
     when ``get_new_blocks`` hands the block out), None without one."""
     return getattr(pool, "_reuse_watchers", None)
+
+
+def set_reuse_watchers(pool: Any, table: dict[int, Any]) -> None:
+    """Replace the block pool's private ``_reuse_watchers`` with ``table`` (a
+    ``dict`` holding the same entries: eviction mode's
+    :class:`~kvseal.vllm.fence.FencedWatchers`). vLLM 0.32-0.34 only index,
+    ``pop`` and iterate the attribute, and never assign it again after
+    ``__init__``."""
+    pool._reuse_watchers = table
 
 
 def new_job_id(sched: Any) -> int:

@@ -48,6 +48,13 @@ daemon read it:
   replies once its seal pipeline has completed; the forward that may write the
   page is queued on the stream only after ``wait`` returned.
 
+vLLM keeps one watcher per block, and ``unpin_blocks`` overwrites it: another
+user of it (vLLM's HiSparse coordinator) would take the fence off a block
+whose store runs. At binding the pool's table is replaced by
+:class:`~kvseal.vllm.fence.FencedWatchers`, which keeps the fence on the
+block and chains the other user's watcher with it (both run, the fence
+first); a finished store takes off only the fence.
+
 **Horizon.** H = ceil(2.5 x cdiv(max_num_scheduled_tokens, block_size)): the
 blocks vLLM can allocate in one step, for about 2.5 steps (LMCache's lazy
 offload uses the same 2.5 steps), at most the pool's size;
@@ -87,6 +94,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
+
+from kvseal.vllm.fence import FencedWatchers
 
 log = logging.getLogger("kvseal.vllm")
 
@@ -186,6 +195,7 @@ class EvictionOffload:
         self._pool: Any = None
         self._workers = 1
         self._watch: Callable[[Any], None] = self._on_reuse
+        self._watchers: FencedWatchers | None = None  # the pool's table, once bound
         # OffloadKey -> (tenant, kvseal hash, parent hash), least recently offered first
         self._offers: OrderedDict[bytes, tuple[bytes, bytes, bytes]] = OrderedDict()
         self._cap = 1 << 16
@@ -368,6 +378,14 @@ class EvictionOffload:
         )
         self._cap = 2 * int(pool.num_gpu_blocks) + 4096
         self._sched, self._pool, self._workers = sched, pool, workers
+        # The fence's seat: the pool's watcher table, replaced by one that keeps
+        # kvseal's fence on a block when another user (vLLM's unpin_blocks, used
+        # by HiSparse) writes its watcher there, and chains the two (fence.py).
+        table = compat.reuse_watchers(pool)
+        if not isinstance(table, FencedWatchers) or table.fence is not self._watch:
+            table = FencedWatchers(self._watch, table)
+            compat.set_reuse_watchers(pool, table)
+        self._watchers = table
         build, update = sched.build_connector_meta, sched.update_connector_output
 
         def build_connector_meta(scheduler_output: Any) -> Any:
@@ -423,7 +441,9 @@ class EvictionOffload:
         self.stats["scans"] += 1
         pool, g = self._pool, self._m.groups[0]
         q = pool.free_block_queue
-        tail, watchers = q.fake_free_list_tail, compat.reuse_watchers(pool)
+        tail, watchers = q.fake_free_list_tail, self._watchers
+        if watchers is None:  # not bound (active implies bound)
+            return {}
         offers, by_block, inflight = self._offers, self._by_block, self._inflight
         seen = self._seen
         picked: dict[bytes, list[tuple[Any, bytes, bytes, bytes]]] = {}
@@ -483,14 +503,11 @@ class EvictionOffload:
             if job.remaining > 0:
                 continue
             del self._jobs[jid]
-            from kvseal.vllm import compat  # noqa: PLC0415 - imports vLLM
-
-            watchers = compat.reuse_watchers(self._pool)
             for bid in job.block_ids:
                 if self._by_block.get(bid) == jid:
                     del self._by_block[bid]
-                if watchers.get(bid) == self._watch:
-                    del watchers[bid]
+            if self._watchers is not None:  # the fence off; another user's watcher stays
+                self._watchers.release(job.block_ids)
             for h in job.hashes:
                 self._inflight.discard((job.tenant, h))
             with self._m.lock:
