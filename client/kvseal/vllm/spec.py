@@ -26,7 +26,9 @@ across salts) and a failed restore cannot be reported as a recompute.
   every block before it writes any, and after a failed call touches nothing);
   its destination blocks are reported through
   :meth:`KVSealOffloadingWorker.take_failed_block_ids`, which the connector
-  hands to vLLM as load errors, so vLLM recomputes them.
+  hands to vLLM as load errors, so vLLM recomputes them (vLLM 0.32/0.33; on
+  0.34 the job's ``TransferResult`` says it failed and vLLM recomputes the
+  request: :mod:`kvseal.vllm.compat`).
 """
 
 from __future__ import annotations
