@@ -149,7 +149,14 @@ def bench_procs() -> Iterator[BenchProcs]:
 
 
 def bench_cmd(work: Path, *more: str) -> list[str]:
-    return [sys.executable, "-m", "bench.serving.run", "--quick", "--work", str(work), *more]
+    """The quick bench on the smoke's model (bench/serving/model.py: the bench
+    model's KV shape, so the same engine and tier blocks and the same paths, with
+    a sliver of its compute), every arm's server started at once: every
+    assertion here is about what each arm serves, restores and isolates, none
+    about the model's cost per token or a start-up's time, which made the smoke
+    the suite's slowest test."""
+    return [sys.executable, "-m", "bench.serving.run", "--quick", "--small-model",
+            "--parallel-start", "--work", str(work), *more]  # fmt: skip
 
 
 @pytest.mark.timeout(PYTEST_TIMEOUT_S, method="signal")
@@ -228,28 +235,97 @@ def test_inner(tmp_path, bench_procs):
 """
 
 
+TIMED_OUT_TEST = "test_a_timed_out_smoke_leaves_nothing"
+KILLED_TEST = "test_a_killed_bench_leaves_nothing_after_the_sweep"
+
+
+class InnerRun:
+    """The timed-out test's inner pytest run (its own session, this test's
+    ``OUTER`` marker in its environment), launched, not yet waited for."""
+
+    def __init__(self, tmp: Path) -> None:
+        (tmp / "test_inner.py").write_text(INNER)
+        # A short base directory of its own: the daemon's socket path stays under
+        # the 108-byte limit, and the inner run prunes nobody's numbered pytest
+        # directories.
+        self.base = Path(tempfile.mkdtemp(prefix="kvs-smoke-"))
+        self.outer = secrets.token_hex(8)
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, OUTER: self.outer, "PYTHONPATH": path}
+        self.log = tmp / "inner.log"
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pytest", str(tmp / "test_inner.py"), "-s", "-q",
+                 "-p", "no:cacheprovider", "--rootdir", str(tmp), "-c", os.devnull,
+                 "--basetemp", str(self.base / "t")],
+                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        sweep(self.outer, OUTER)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+class KilledRun:
+    """The killed-bench test's bench (``--arms wt``), launched, not yet waited for."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.procs = BenchProcs()
+        self.log = tmp / "bench.log"
+        self.proc = self.procs.start(bench_cmd(tmp / "w", "--arms", "wt"), self.log)
+
+    def close(self) -> None:
+        self.procs.close()
+
+
+class LeaveRuns:
+    """The two ``*_leaves_nothing`` tests' runs, launched together at the first
+    one's need (each waits through a server's start-up, most of its time, and
+    two start-ups at once take far less than two in turn on a 2-core machine);
+    only the ones collected. Each test ends its own run; ``close`` (the
+    fixture's finalizer) ends whatever a failed test left."""
+
+    def __init__(self, factory: pytest.TempPathFactory, want: list[str]) -> None:
+        self.factory, self.want = factory, want
+        self.runs: dict[str, InnerRun | KilledRun] = {}
+
+    def get(self, name: str) -> InnerRun | KilledRun:
+        for n in dict.fromkeys([*self.want, name]):
+            if n not in self.runs:
+                tmp = self.factory.mktemp("leave")
+                self.runs[n] = InnerRun(tmp) if n == TIMED_OUT_TEST else KilledRun(tmp)
+        return self.runs[name]
+
+    def close(self) -> None:
+        for r in self.runs.values():
+            r.close()
+
+
+@pytest.fixture(scope="module")
+def leave_runs(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[LeaveRuns]:
+    names = {getattr(i, "originalname", i.name) for i in request.session.items}
+    runs = LeaveRuns(tmp_path_factory, [n for n in (TIMED_OUT_TEST, KILLED_TEST) if n in names])
+    try:
+        yield runs
+    finally:
+        runs.close()
+
+
 @pytest.mark.timeout(900, method="signal")
-def test_a_timed_out_smoke_leaves_nothing(tmp_path: Path) -> None:
+def test_a_timed_out_smoke_leaves_nothing(leave_runs: LeaveRuns) -> None:
     """A pytest run of the smoke's machinery, ended by pytest-timeout's signal while
     a kvseal arm (a real daemon, a real ``vllm serve`` with its engine core) is up:
     nothing it started is left running once that pytest run has exited. On the old
     test (``subprocess.run``, whose timeout SIGKILLs the bench, and servers in
     sessions of their own) the API server, its engine core and the daemon stayed."""
-    (tmp_path / "test_inner.py").write_text(INNER)
-    # A short base directory of its own: the daemon's socket path stays under the
-    # 108-byte limit, and the inner run prunes nobody's numbered pytest directories.
-    base = Path(tempfile.mkdtemp(prefix="kvs-smoke-"))
-    outer = secrets.token_hex(8)
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, OUTER: outer, "PYTHONPATH": path}
-    log = tmp_path / "inner.log"
-    with open(log, "wb") as f:
-        inner = subprocess.Popen(
-            [sys.executable, "-m", "pytest", str(tmp_path / "test_inner.py"), "-s", "-q",
-             "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-c", os.devnull,
-             "--basetemp", str(base / "t")],
-            stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True,
-        )  # fmt: skip
+    run = leave_runs.get(TIMED_OUT_TEST)
+    assert isinstance(run, InnerRun)
+    inner, log, outer = run.proc, run.log, run.outer
     try:
         wait_for("the inner bench", lambda: "inner: bench started" in log.read_text(), 120, log)
         bench_log = Path(log.read_text().split("inner: bench started ", 1)[1].split("\n", 1)[0])
@@ -266,23 +342,19 @@ def test_a_timed_out_smoke_leaves_nothing(tmp_path: Path) -> None:
         # The bench stopped its own servers on SIGTERM: the sweep found nothing.
         assert "bench_procs: swept 0 leftover processes" in text, text[-4000:]
     finally:
-        if inner.poll() is None:
-            os.killpg(inner.pid, signal.SIGKILL)
-            inner.wait()
-        sweep(outer, OUTER)
-        shutil.rmtree(base, ignore_errors=True)
+        run.close()
 
 
 @pytest.mark.timeout(900, method="signal")
-def test_a_killed_bench_leaves_nothing_after_the_sweep(tmp_path: Path) -> None:
+def test_a_killed_bench_leaves_nothing_after_the_sweep(leave_runs: LeaveRuns) -> None:
     """The bench SIGKILLed while a kvseal arm is up (what the fixture does to a
     bench that did not stop within its grace): it can do nothing, its server (a
     session of its own, engine core included) and daemon stay, and the marker
     sweep stops every one of them."""
-    procs = BenchProcs()
+    run = leave_runs.get(KILLED_TEST)
+    assert isinstance(run, KilledRun)
+    procs, proc, log = run.procs, run.proc, run.log
     try:
-        log = tmp_path / "bench.log"
-        proc = procs.start(bench_cmd(tmp_path / "w", "--arms", "wt"), log)
         wait_for("a kvseal arm's server", lambda: server_up(log), 600, log)
         proc.send_signal(signal.SIGKILL)
         proc.wait(STOP_GRACE_S)

@@ -75,6 +75,7 @@ class Arm:
         self.work.mkdir(parents=True, exist_ok=True)
         self.daemon: Daemon | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        self.launched_at = 0.0  # time.monotonic() at launch()
         self.port = free_port()
         self.client = Client(self.port, str(model))
 
@@ -103,7 +104,15 @@ class Arm:
         }  # fmt: skip
 
     def start(self) -> float:
-        t0 = time.monotonic()
+        """Start the arm and wait until its server answers; the seconds that took."""
+        self.launch()
+        return self.wait_up()
+
+    def launch(self) -> None:
+        """Start the daemon (a kvseal arm's: returns once it serves) and the server
+        process, without waiting for the server (``wait_up``): run.py's
+        ``--parallel-start`` launches every arm before it waits for any."""
+        self.launched_at = time.monotonic()
         if self.mode in KVSEAL_MODES:
             # Llama: host region sized to HOST_BLOCKS sealed blocks (ciphertext +
             # tag); hybrid: the anchor's bytes exactly (tokens per tier byte).
@@ -138,13 +147,19 @@ class Arm:
         with open(self.work / "serve.log", "wb") as logf:  # the child keeps its own copy
             self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, cwd=self.work)  # fmt: skip
+
+    def wait_up(self) -> float:
+        """Wait (600 s at most) until the launched server answers ``/health``; the
+        seconds since ``launch``. RuntimeError with the log's tail if it exits or
+        does not come up."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name}: vllm serve exited: {self.tail()}")
             try:
                 self.client.get("/health")
-                return time.monotonic() - t0
+                return time.monotonic() - self.launched_at
             except OSError:
                 time.sleep(1)
         raise RuntimeError(f"{self.name}: vllm serve not up: {self.tail()}")

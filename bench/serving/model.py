@@ -21,6 +21,11 @@ from pathlib import Path
 VOCAB = 1024
 LAYERS, KV_HEADS, HEAD_DIM = 8, 2, 64
 HIDDEN, MLP, Q_HEADS = 1536, 6144, 24
+# The smoke's model (``make_model(small=True)``, run.py ``--small-model``): the
+# same KV shape (so the same bytes per token, engine blocks and tier blocks)
+# with a sliver of the compute (~5 M parameters): a smoke checks that every arm
+# serves, restores and isolates, which needs the KV layout, not the compute ratio.
+SMALL_HIDDEN, SMALL_MLP, SMALL_Q_HEADS = 256, 512, 4
 KV_BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
 # The hybrid model (``make_hybrid_model``): the same shape as a Gemma-3-like
 # sliding-window model, 3 local layers to 1 global (Gemma 3 has 5 : 1; 8 layers
@@ -33,9 +38,11 @@ def word(i: int) -> str:
     return f"w{i}"
 
 
-def make_model(path: Path, seed: int = 4321) -> Path:
-    """Write model and tokenizer to ``path`` (idempotent) and return it."""
-    return _build(path, "llama", seed)
+def make_model(path: Path, seed: int = 4321, small: bool = False) -> Path:
+    """Write model and tokenizer to ``path`` (idempotent: a model of another
+    shape there is rebuilt) and return it. ``small``: the smoke's model
+    (``SMALL_*`` widths, the same KV shape), which no measurement may use."""
+    return _build(path, "llama-small" if small else "llama", seed)
 
 
 def make_hybrid_model(path: Path, seed: int = 4321) -> Path:
@@ -47,8 +54,15 @@ def make_hybrid_model(path: Path, seed: int = 4321) -> Path:
     return _build(path, "hybrid", seed)
 
 
+def _widths(family: str) -> tuple[int, int, int]:
+    """``(hidden, mlp, q_heads)`` of ``family``: the small Llama's or the bench's."""
+    if family == "llama-small":
+        return SMALL_HIDDEN, SMALL_MLP, SMALL_Q_HEADS
+    return HIDDEN, MLP, Q_HEADS
+
+
 def _config(family: str) -> object:
-    """The transformers config of ``family`` ("llama" or "hybrid")."""
+    """The transformers config of ``family`` ("llama", "llama-small" or "hybrid")."""
     from transformers import Gemma3TextConfig, LlamaConfig
 
     if family == "hybrid":
@@ -67,12 +81,13 @@ def _config(family: str) -> object:
             eos_token_id=2,
             torch_dtype="bfloat16",
         )
+    hidden, mlp, q_heads = _widths(family)
     return LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=MLP,
+        hidden_size=hidden,
+        intermediate_size=mlp,
         num_hidden_layers=LAYERS,
-        num_attention_heads=Q_HEADS,
+        num_attention_heads=q_heads,
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         max_position_embeddings=4096,
@@ -84,10 +99,11 @@ def _config(family: str) -> object:
 
 def _build(path: Path, family: str, seed: int) -> Path:
     stamp = path / "kvseal-model.json"
-    shape: dict[str, object] = {"layers": LAYERS, "hidden": HIDDEN, "mlp": MLP,
-                                "q_heads": Q_HEADS, "kv_heads": KV_HEADS,
+    hidden, mlp, q_heads = _widths(family)
+    shape: dict[str, object] = {"layers": LAYERS, "hidden": hidden, "mlp": mlp,
+                                "q_heads": q_heads, "kv_heads": KV_HEADS,
                                 "head_dim": HEAD_DIM, "seed": seed}  # fmt: skip
-    if family != "llama":  # the Llama's stamp stays what it was (no rebuild)
+    if family == "hybrid":  # the Llamas' stamps stay what they were (no rebuild)
         shape.update(family=family, layer_types=HYBRID_LAYER_TYPES, window=HYBRID_WINDOW)
     built = (path / "tokenizer.json").exists() and stamp.exists()
     if built and json.loads(stamp.read_text()) == shape:

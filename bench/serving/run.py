@@ -212,10 +212,16 @@ def run_arms(names: list[str], model: Path, work: Path, pl: dict[str, Any],
     reaches every arm alike rather than whichever arm ran last."""
     arms = [make_arm(n, model, work) for n in names]
     try:
-        for arm in arms:  # one at a time: startup compiles and loads weights
+        if pl.get("parallel_start"):
+            # The smoke (--parallel-start): every server starts at once, which on
+            # a 2-core machine takes far less than in turn (a start-up leaves the
+            # cores idle much of the time); the start times measure nothing then.
+            for arm in arms:
+                arm.launch()
+        for arm in arms:  # else one at a time: startup compiles and loads weights
             r: dict[str, Any] = {"arm": arm.name, "points": []}
             res["arms"][arm.name] = r
-            r["start_s"] = round(arm.start(), 1)
+            r["start_s"] = round(arm.wait_up() if pl.get("parallel_start") else arm.start(), 1)
             r["engine_blocks"] = arm.client.engine_blocks()
             r["bytes"] = {"engine": arm.engine_bytes, "tier": arm.tier_bytes}
             # kvseal's family registered in the API server's /metrics (a kvseal arm)
@@ -299,12 +305,13 @@ def machine() -> str:
     return f"{os.cpu_count()} CPUs" + (f" ({family})" if family else "") + ", no GPU"
 
 
-def prepare(work_arg: str, out_arg: str | None) -> tuple[Path, Path, Path]:
-    """The work directory (made), the results file and the model (built once)."""
+def prepare(work_arg: str, out_arg: str | None, small: bool = False) -> tuple[Path, Path, Path]:
+    """The work directory (made), the results file and the model (built once;
+    ``small``: the smoke's model, model.py)."""
     work = Path(work_arg).resolve()
     work.mkdir(parents=True, exist_ok=True)
     out = Path(out_arg) if out_arg else work / "results.json"
-    return work, out, make_model(work / "model")
+    return work, out, make_model(work / "model", small=small)
 
 
 def main() -> None:
@@ -353,11 +360,23 @@ def main() -> None:
         default=None,
         help="vLLM's --max-num-batched-tokens for every vLLM arm (default: vLLM's)",
     )
+    ap.add_argument(
+        "--small-model",
+        action="store_true",
+        help="the smoke's model: the same KV shape, a sliver of the compute (measures nothing)",
+    )
+    ap.add_argument(
+        "--parallel-start",
+        action="store_true",
+        help="start every vLLM arm's server at once (the smoke; start times then measure nothing)",
+    )
     ap.add_argument("--work", default=str(ROOT / "build" / "bench-serving"))
     ap.add_argument("--out", default=None, help="results JSON (default: WORK/results.json)")
     args = ap.parse_args()
+    if args.parallel_start and any(n.startswith("sg-") for n in args.arms.split(",")):
+        ap.error("--parallel-start: vLLM arms only (an SGLang arm starts its own way)")
     stop_on_signals()
-    work, out, model = prepare(args.work, args.out)
+    work, out, model = prepare(args.work, args.out, args.small_model)
     pl = plan(args.quick)
     if args.rates:
         pl["llmd"]["rates"] = [float(r) for r in args.rates.split(",")]
@@ -377,8 +396,10 @@ def main() -> None:
     pl["cost_rounds"] = args.cost_rounds
     pl["workloads"] = args.workloads.split(",")
     pl["quick"] = args.quick
+    pl["parallel_start"] = args.parallel_start
     res: dict[str, Any] = {
-        "quick": args.quick, "plan": pl, "cpus": os.cpu_count(), "machine": machine(),
+        "quick": args.quick, "small_model": args.small_model, "plan": pl,
+        "cpus": os.cpu_count(), "machine": machine(),
         "engine_blocks": ENGINE_BLOCKS, "host_blocks": host_blocks(), "block_tokens": BLOCK,
         "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "arms": {},
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
