@@ -82,6 +82,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvseal.server.store.backend import Evicted, Ident, Usage
 from kvseal.server.store.errors import (
     NotARegularFile,
     StoreError,
@@ -106,22 +107,6 @@ _GONE = (errno.ENOENT, errno.ESTALE)
 FileIdent = tuple[int, int]  # (st_dev, st_ino): which inode a read snapshot came from
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """What a full scan found: objects, markers, their bytes (allocation
-    counted as in eviction), and temporary files."""
-
-    objects: int
-    markers: int
-    record_bytes: int
-    temp_files: int
-    temp_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.record_bytes + self.temp_bytes
-
-
 def _pread_all(fd: int, view: memoryview) -> int:
     """Read from offset 0 until ``view`` is full or the file ends (it shrank
     since fstat: the parser then sees a truncated record); bytes read."""
@@ -132,16 +117,6 @@ def _pread_all(fd: int, view: memoryview) -> int:
             break
         n += got
     return n
-
-
-@dataclass(frozen=True, slots=True)
-class Evicted:
-    """What one make-room pass removed."""
-
-    records: int = 0
-    bytes: int = 0
-    temp_files: int = 0
-    names: tuple[str, ...] = ()  # the records removed (object names; markers included)
 
 
 @dataclass(slots=True)
@@ -161,14 +136,23 @@ def is_power_of_two(n: int) -> bool:
 
 
 class StoreDir:
-    """One store directory (see the module docstring). Thread-safe: every
-    method works on descriptors it opens and closes itself, and the filesystem
-    serialises the renames, links and unlinks that races come down to."""
+    """One store directory (see the module docstring): the directory backend
+    (:class:`~.backend.StoreBackend`). Thread-safe: every method works on
+    descriptors it opens and closes itself, and the filesystem serialises the
+    renames, links and unlinks that races come down to."""
 
-    def __init__(self, path: str, *, fanout: int | None, durable: bool, stale_temp_s: float):
+    def __init__(
+        self,
+        path: str,
+        *,
+        fanout: int | None,
+        durable: bool,
+        stale_temp_s: float,
+        default_fanout: int = MAX_FANOUT,
+    ):
         """Open (creating if needed, mode 0700) the store at ``path``. The
-        layout file fixes the fanout: ``fanout`` None adopts it (or 256 for a
-        new store, via the caller), a different number is refused
+        layout file fixes the fanout: ``fanout`` None adopts it (or
+        ``default_fanout`` for a new store), a different number is refused
         (:class:`StoreLayoutError`). Stale temporary files are swept."""
         if fanout is not None and not (is_power_of_two(fanout) and fanout <= MAX_FANOUT):
             raise StoreLayoutError(f"fanout must be a power of two up to {MAX_FANOUT}")
@@ -181,11 +165,15 @@ class StoreDir:
         try:
             # Allocation unit: an incoming record is counted as it will be on disk.
             self._unit = max(1, os.fstatvfs(self._root).f_frsize)
-            self.fanout = self._layout(fanout if fanout is not None else MAX_FANOUT, fanout)
+            self.fanout = self._layout(fanout if fanout is not None else default_fanout, fanout)
             self.sweep_temps()
         except BaseException:
             os.close(self._root)
             raise
+
+    @property
+    def location(self) -> str:
+        return self.path
 
     def close(self) -> None:
         if self._root >= 0:
@@ -374,7 +362,7 @@ class StoreDir:
         finally:
             os.close(sfd)
 
-    def remove(self, name: str, ident: FileIdent | None = None) -> bool:
+    def remove(self, name: str, ident: Ident | None = None) -> bool:
         """Unlink ``name``; with ``ident``, only if it is still that inode (a
         record found bad is removed, not a good one published since). True if
         something was removed."""

@@ -65,12 +65,12 @@ such a false replay is one miss).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from kvseal.server.store.backend import BackendOpener, StoreBackend, Usage
 from kvseal.server.store.errors import (
     ObjectTooLarge,
     ScopeChanged,
@@ -78,7 +78,7 @@ from kvseal.server.store.errors import (
     StoreLayoutError,
     UnsupportedVersion,
 )
-from kvseal.server.store.fsio import LAYOUT_FILE, MAX_FANOUT, StoreDir, Usage
+from kvseal.server.store.fsio import MAX_FANOUT, StoreDir
 from kvseal.server.store.keys import StoreKeys
 from kvseal.server.store.keysource import DeploymentKey, wipe
 from kvseal.server.store.record import (
@@ -103,7 +103,7 @@ class StoreConfig:
     same ``capacity_bytes`` (each enforces its own on the shards it writes)
     and the same fanout (the layout file enforces that)."""
 
-    path: str
+    path: str  # the directory; with another backend, its location (logs only)
     capacity_bytes: int
     # The largest plaintext a put accepts (the block size of the pools served).
     max_object_bytes: int
@@ -156,25 +156,24 @@ class StoreStats:
 class FsStore:
     """A sealed block store on a directory (see the module docstring).
 
-    Takes ownership of the deployment key (``close`` wipes it). Thread-safe.
-    Identifiers (namespace, tenant, block hash) are 32 bytes each, as in the
-    host tier's format.
+    Takes ownership of the deployment key (``close`` wipes it) and of the
+    backend (``close`` closes it). Thread-safe. Identifiers (namespace,
+    tenant, block hash) are 32 bytes each, as in the host tier's format.
+
+    ``backend``: opens the storage (:mod:`.backend`), called once with the
+    configured fanout (or None) and the fanout for a new store; None: the
+    directory at ``config.path`` (:class:`~.fsio.StoreDir`). Everything above
+    the backend (records, names, scopes, erasure, replay) is the same for all.
     """
 
-    def __init__(self, config: StoreConfig, key: DeploymentKey) -> None:
+    def __init__(
+        self, config: StoreConfig, key: DeploymentKey, backend: BackendOpener | None = None
+    ) -> None:
         self.config = config
         self._keys = StoreKeys(key, max_scope_keys=config.max_scopes)
         try:
-            if config.fanout is not None:
-                fanout: int | None = config.fanout
-            else:
-                fanout = None if _has_layout(config.path) else config.auto_fanout()
-            self._dir = StoreDir(
-                config.path,
-                fanout=fanout,
-                durable=config.durable,
-                stale_temp_s=config.stale_temp_s,
-            )
+            opener = backend if backend is not None else self._open_dir
+            self._dir: StoreBackend = opener(config.fanout, config.auto_fanout())
         except BaseException:
             self._keys.close()
             raise
@@ -203,8 +202,17 @@ class FsStore:
         self._inflight: set[str] = set()
         self._stats = StoreStats()
 
+    def _open_dir(self, fanout: int | None, default_fanout: int) -> StoreBackend:
+        return StoreDir(
+            self.config.path,
+            fanout=fanout,
+            durable=self.config.durable,
+            stale_temp_s=self.config.stale_temp_s,
+            default_fanout=default_fanout,
+        )
+
     def __repr__(self) -> str:
-        return f"<FsStore {self.config.path} fanout={self.fanout} key={self._keys!r}>"
+        return f"<FsStore {self._dir.location} fanout={self.fanout} key={self._keys!r}>"
 
     @property
     def key_id(self) -> bytes:
@@ -429,6 +437,14 @@ class FsStore:
         name = self._keys.object_name(namespace, tenant, scope.epoch_id, block_hash)
         return self._dir.path_of(name)
 
+    def marker_name(self, namespace: bytes, tenant: bytes) -> str:
+        """The backend name of the tenant's scope marker."""
+        return self._scopes.marker_name(namespace, tenant)
+
+    def floor_name(self, namespace: bytes, tenant: bytes) -> str:
+        """The backend name of the tenant's scope floor record."""
+        return self._scopes.floor_name(namespace, tenant)
+
     def scope_path(self, namespace: bytes, tenant: bytes) -> str:
         """Where the tenant's scope marker lives."""
         return self._dir.path_of(self._scopes.marker_name(namespace, tenant))
@@ -479,7 +495,3 @@ class FsStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _has_layout(path: str) -> bool:
-    return os.path.exists(os.path.join(path, LAYOUT_FILE))

@@ -84,6 +84,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvseal.server.keyarena import KeySlot, fill_random
+from kvseal.server.store.backend import StoreBackend
 from kvseal.server.store.errors import (
     LengthMismatch,
     NotARegularFile,
@@ -91,7 +92,7 @@ from kvseal.server.store.errors import (
     StoreIntegrityError,
     UnsupportedVersion,
 )
-from kvseal.server.store.fsio import MARKER_SUFFIX, StoreDir
+from kvseal.server.store.fsio import MARKER_SUFFIX
 from kvseal.server.store.keys import EPOCH_ID_BYTES, SEED_BYTES, StoreKeys
 from kvseal.server.store.keysource import wipe
 from kvseal.server.store.record import (
@@ -158,7 +159,9 @@ def _unpack_lineage(raw: bytes) -> tuple[bytes, ...]:
 class ScopeTable:
     """The scopes this process uses: their epochs, keys and known lineage."""
 
-    def __init__(self, keys: StoreKeys, sdir: StoreDir, *, ttl_s: float, max_scopes: int) -> None:
+    def __init__(
+        self, keys: StoreKeys, sdir: StoreBackend, *, ttl_s: float, max_scopes: int
+    ) -> None:
         self._keys = keys
         self._dir = sdir
         self._ttl = ttl_s
