@@ -51,6 +51,8 @@ __all__ = [
     "caller_frame",
     "failed_jobs",
     "find_caller",
+    "missing_attrs",
+    "missing_callables",
     "job_pages",
     "new_job_id",
     "reuse_watchers",
@@ -355,6 +357,17 @@ def set_reuse_watchers(pool: Any, table: dict[int, Any]) -> None:
     ``pop`` and iterate the attribute, and never assign it again after
     ``__init__``."""
     pool._reuse_watchers = table
+
+
+def missing_callables(obj: Any, names: Sequence[str]) -> list[str]:
+    """Which of ``names`` are not methods of ``obj`` (eviction mode's bind
+    check of vLLM's scheduler and block pool)."""
+    return [n for n in names if not callable(getattr(obj, n, None))]
+
+
+def missing_attrs(obj: Any, names: Sequence[str]) -> list[str]:
+    """Which of ``names`` ``obj`` does not have (the free queue's ends)."""
+    return [n for n in names if not hasattr(obj, n)]
 
 
 def new_job_id(sched: Any) -> int:

@@ -353,13 +353,13 @@ class EvictionOffload:
             (sched, ("build_connector_meta", "update_connector_output", "_generate_job_id")),
             (pool, ("get_new_blocks", "_notify_reuse")),
         ):
-            missing = [n for n in names if not callable(getattr(obj, n, None))]
+            missing = compat.missing_callables(obj, names)
             if missing:
                 return f"{type(obj).__name__} has no {', '.join(missing)}"
         if not isinstance(compat.reuse_watchers(pool), dict):
             return "BlockPool has no _reuse_watchers dict (no reuse watchers in this vLLM)"
         q = pool.free_block_queue
-        if not all(hasattr(q, a) for a in ("fake_free_list_head", "fake_free_list_tail")):
+        if compat.missing_attrs(q, ("fake_free_list_head", "fake_free_list_tail")):
             return "FreeKVCacheBlockQueue is not the linked list this mode walks"
         src = compat.source_of(type(pool).get_new_blocks)
         if "_notify_reuse" not in src or "popleft_n" not in src:
