@@ -8,9 +8,10 @@
 # Workloads: llmd, conv, conv-salted (a cache_salt per tenant, 1 to one per
 # conversation) and fits; ARGS="--workloads conv-salted" runs a subset.
 #
-#   make bench-serving ARGS=--quick   one short point per workload, 30 requests per arm: the
-#                                     smoke of tests_vllm/test_serving_smoke.py (5-7 minutes on
-#                                     this machine's 2 cores at load 7-18; the test allows 25)
+#   make bench-serving ARGS=--quick   one short point per workload, 30 requests per arm (5-7
+#                                     minutes on this machine's 2 cores at load 7-18); the smoke,
+#                                     tests_vllm/test_serving_smoke.py, adds --small-model (the
+#                                     same KV shape, a sliver of the compute) and --parallel-start
 #   make bench-serving                the sweep of docs/serving.md (about 50 minutes on 2 cores)
 #   make serving-report               the full tables into $(SERVING_MD) and docs/serving-*.png
 #                                     from $(SERVING_HIST)/serving-results.json

@@ -21,8 +21,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,29 +53,46 @@ RUNS = {
 }
 
 
+# The five drivers' one bound, from their common start (pytest-timeout, mk/vllm.mk,
+# is longer: a slow run ends here, with its log, and takes its engines with it).
+RUNS_TIMEOUT_S = 900
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     procs = {}
-    for mode, extra in RUNS.items():
-        wd = tmp_path_factory.mktemp(f"evict-{mode}")
-        args = [
-            sys.executable, str(HERE / "driver_evict.py"), *extra, "--model", str(tiny_model),
-            "--workdir", str(wd), "--out", str(wd / "result.json"),
-        ]  # fmt: skip
-        log = open(wd / "driver.log", "wb")  # noqa: SIM115 (closed below)
-        procs[mode] = (wd, log, subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, cwd=wd,
-            env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
-        ))  # fmt: skip
+    t0 = time.monotonic()
     out: dict[str, Any] = {}
-    for mode, (wd, log, p) in procs.items():
-        rc = p.wait(timeout=900)
-        log.close()
-        text = (wd / "driver.log").read_text(errors="replace")
-        if rc != 0 or not (wd / "result.json").exists():
-            raise RuntimeError(f"{mode} driver failed (exit {rc}):\n{text[-6000:]}")
-        out[mode] = json.loads((wd / "result.json").read_text())
-        out[mode]["log"] = text
+    try:
+        for mode, extra in RUNS.items():
+            wd = tmp_path_factory.mktemp(f"evict-{mode}")
+            args = [
+                sys.executable, str(HERE / "driver_evict.py"), *extra, "--model", str(tiny_model),
+                "--workdir", str(wd), "--out", str(wd / "result.json"),
+            ]  # fmt: skip
+            # Each a session of its own: a driver past the bound is killed with
+            # its engine core and worker.
+            with open(wd / "driver.log", "wb") as log:
+                procs[mode] = (wd, subprocess.Popen(
+                    args, stdout=log, stderr=subprocess.STDOUT, cwd=wd, start_new_session=True,
+                    env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+                ))  # fmt: skip
+        for mode, (wd, p) in procs.items():
+            try:
+                rc: int | None = p.wait(max(1.0, t0 + RUNS_TIMEOUT_S - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = None
+            text = (wd / "driver.log").read_text(errors="replace")
+            if rc != 0 or not (wd / "result.json").exists():
+                why = f"past the {RUNS_TIMEOUT_S} s bound" if rc is None else f"exit {rc}"
+                raise RuntimeError(f"{mode} driver failed ({why}):\n{text[-6000:]}")
+            out[mode] = json.loads((wd / "result.json").read_text())
+            out[mode]["log"] = text
+    finally:
+        for _, p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
     return out
 
 
