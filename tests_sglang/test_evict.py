@@ -19,6 +19,7 @@ Two levels, each against a real daemon:
 from __future__ import annotations
 
 import array
+import itertools
 import logging
 import os
 import signal
@@ -414,9 +415,10 @@ def test_failed_seals_do_not_end_the_starvation(daemon: Daemon) -> None:
             # Each eviction sealed its first page, in vain; the rest were dropped.
             assert tree.linker.stats["evict_seal_failures"] == 4
             assert tree.linker.stats["evict_dropped_pages"] == 4 * 2
-        # The daemon runs again: evictions seal their first page (the pool's
-        # back-off may fail the first tries) until one seal succeeded...
-        seeds = iter(range(30, 90))
+        # The daemon runs again: evictions seal their first page until one
+        # seal succeeded (past the pool's back-off, the first one does)...
+        assert _eventually(lambda: time.monotonic() >= pool._down_until)
+        seeds = itertools.count(30)
 
         def _sealed_one() -> bool:
             tree.insert(prompt(next(seeds), 3 * PAGE))
