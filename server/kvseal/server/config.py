@@ -113,6 +113,9 @@ class ServerConfig:
     # The sealed store tier under the host tier (docs/store.md); off when
     # store_dir is None, and then nothing below is used.
     store_dir: str | None = None
+    # An S3 store instead of a directory (--store s3://BUCKET/PREFIX?...;
+    # store.s3): everything below applies to it as well, but store_fsync.
+    store_url: str | None = None
     store_bytes: int = 16 * 1024**3
     store_key: str = "local"  # local | file:PATH | cdh:REPO/TYPE/TAG
     store_cdh_endpoint: str = "http://127.0.0.1:8006"
@@ -164,8 +167,12 @@ class ServerConfig:
             raise ValueError("--socket-group must name a group or a gid")
         if self.log_format not in ("text", "json"):
             raise ValueError("--log-format must be text or json")
-        if self.store_dir is not None:
-            if not self.store_dir.strip():
+        if self.store_dir is not None and self.store_url is not None:
+            raise ValueError("give --store-dir or --store, not both")
+        if self.store_url is not None and not self.store_url.startswith("s3://"):
+            raise ValueError("--store must be s3://BUCKET/PREFIX?... or dir:///PATH")
+        if self.store_dir is not None or self.store_url is not None:
+            if self.store_dir is not None and not self.store_dir.strip():
                 raise ValueError("--store-dir must name a directory")
             if self.store_max_block_bytes < 1:
                 raise ValueError("--store-max-block-bytes must be positive")

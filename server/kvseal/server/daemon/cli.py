@@ -163,6 +163,14 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
         "replica mounts), a tier under the host tier; off when unset [KVSEAL_STORE_DIR]",
     )
     p.add_argument(
+        "--store",
+        default=_env("KVSEAL_STORE"),
+        help="the store as a URL instead of --store-dir: dir:///PATH (the same as "
+        "--store-dir PATH) or s3://BUCKET/PREFIX?endpoint=URL&region=R&credentials=env|"
+        "file:PATH&timeout=S&retries=N (needs kvseal-server[s3]; credentials never in the "
+        'URL; docs/store.md, "S3") [KVSEAL_STORE]',
+    )
+    p.add_argument(
         "--store-bytes",
         default=_env("KVSEAL_STORE_BYTES", "16GiB"),
         help="capacity of the store directory; every replica sharing it must give the "
@@ -229,8 +237,27 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _store_location(store_dir: str | None, store: str | None) -> tuple[str | None, str | None]:
+    """``--store-dir`` and ``--store`` as the config's (store_dir, store_url):
+    ``dir:///PATH`` is ``--store-dir /PATH``; an s3:// URL is checked when the
+    store opens (its errors never echo a userinfo part)."""
+    if store is None:
+        return store_dir, None
+    if store_dir is not None:
+        raise ValueError("give --store-dir or --store, not both")
+    if store.startswith("dir://"):
+        path = store[len("dir://") :]
+        if not path.startswith("/"):
+            raise ValueError("--store dir:///PATH takes an absolute path")
+        return path, None
+    if store.startswith("s3://"):
+        return None, store
+    raise ValueError("--store must be dir:///PATH or s3://BUCKET/PREFIX?...")
+
+
 def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
     args = build_parser().parse_args(argv)
+    store_dir, store_url = _store_location(args.store_dir or None, args.store or None)
     uids: tuple[int, ...] = tuple(args.allow_uid or ())
     if not uids and os.environ.get("KVSEAL_ALLOW_UIDS"):
         uids = tuple(int(u) for u in os.environ["KVSEAL_ALLOW_UIDS"].split(",") if u.strip())
@@ -267,7 +294,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         max_holds=args.max_holds,
         log_format=args.log_format,
         log_level=args.log_level.upper(),
-        store_dir=args.store_dir or None,
+        store_dir=store_dir,
+        store_url=store_url,
         store_bytes=parse_size(args.store_bytes),
         store_key=args.store_key,
         store_cdh_endpoint=args.store_cdh_endpoint,

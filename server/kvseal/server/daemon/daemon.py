@@ -38,9 +38,11 @@ from kvseal.server.daemon.socket_access import (
 from kvseal.server.hostregion import RegionError
 from kvseal.server.peercred import PeerCredGate, listen_owner_only, relayed_uid
 from kvseal.server.service import KVSealServicer, add_to_server
+from kvseal.server.store.backend import BackendOpener
 from kvseal.server.store.errors import KeySourceError, StoreError
 from kvseal.server.store.fsstore import FsStore, StoreConfig
 from kvseal.server.store.keysource import parse_key_source
+from kvseal.server.store.s3 import open_s3
 from kvseal.server.threads import FixedPool, name_os_thread
 from kvseal.v1 import kvseal_pb2 as pb
 
@@ -100,15 +102,25 @@ def operator_check(
 
 
 def open_store(cfg: ServerConfig) -> FsStore | None:
-    """The store tier's directory under its deployment key (``--store-*``), or
-    None without ``--store-dir``. A key that cannot be had (an unsafe or
-    malformed file, the CDH refusing or unreachable for ``--store-key-wait``
-    seconds) or a directory that cannot be used as configured (another
-    fanout, too small, a shard that is not a directory) stops the start with
-    one line (exit 2); no message
-    carries key bytes (``store.keysource``)."""
-    if cfg.store_dir is None:
+    """The store tier under its deployment key (``--store-*``): a directory
+    (``--store-dir``, ``--store dir:///PATH``) or an S3 bucket (``--store
+    s3://...``, :mod:`kvseal.server.store.s3`); None without either. A key
+    that cannot be had (an unsafe or malformed file, the CDH refusing or
+    unreachable for ``--store-key-wait`` seconds), a directory or bucket that
+    cannot be used as configured (another fanout, too small, a shard that is
+    not a directory, an S3 server unreachable or refusing the credentials),
+    or a malformed URL stops the start with one line (exit 2); no message
+    carries key bytes (``store.keysource``) or S3 credentials."""
+    if cfg.store_dir is None and cfg.store_url is None:
         return None
+    opener: BackendOpener | None = None
+    flag = f"--store-dir {cfg.store_dir}"
+    if cfg.store_url is not None:
+        flag = "--store"
+        try:
+            opener = open_s3(cfg.store_url)  # parsed before the key is fetched
+        except StoreError as e:
+            raise SystemExit(f"kvseal-server: --store: {e}") from None
     try:
         source = parse_key_source(
             cfg.store_key,
@@ -122,19 +134,20 @@ def open_store(cfg: ServerConfig) -> FsStore | None:
     try:
         store = FsStore(
             StoreConfig(
-                cfg.store_dir,
+                cfg.store_dir or "",
                 capacity_bytes=cfg.store_bytes,
                 max_object_bytes=cfg.store_max_block_bytes,
                 durable=cfg.store_fsync,
             ),
             key,  # the store owns it from here (closes it on failure too)
+            opener,
         )
     except (StoreError, OSError) as e:  # also a planted shard symlink met by the sweep
         key.close()
-        raise SystemExit(f"kvseal-server: --store-dir {cfg.store_dir}: {e}") from None
+        raise SystemExit(f"kvseal-server: {flag}: {e}") from None
     log.info(
         "store tier: %s (%d bytes, fanout %d, key %s, policy %s, fsync %s)",
-        cfg.store_dir,
+        store.location,
         cfg.store_bytes,
         store.fanout,
         source.describe(),

@@ -96,3 +96,11 @@ class ForeignKey(StoreIntegrityError):
 class RecordAuthenticationFailed(StoreIntegrityError):
     """AES-GCM authentication failed: the ciphertext, tag, header or binding
     (namespace, tenant, epoch, block hash) do not match. Says nothing more."""
+
+
+class StoreUnavailable(OSError):
+    """A remote backend (an S3 server) is down, slow, refusing, or answered
+    something that is not its protocol. An ``OSError``, so the daemon treats it
+    as a filesystem error: a miss or a skipped spill, never a stall and never
+    an integrity failure. Carries the operation and the service's error code,
+    never a credential."""

@@ -215,6 +215,11 @@ class FsStore:
         return f"<FsStore {self._dir.location} fanout={self.fanout} key={self._keys!r}>"
 
     @property
+    def location(self) -> str:
+        """Where the records are (the directory, or the bucket and prefix)."""
+        return self._dir.location
+
+    @property
     def key_id(self) -> bytes:
         """The deployment key's public id (in every record's header)."""
         return self._keys.key_id
