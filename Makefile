@@ -25,8 +25,8 @@ test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check client server tests tests_sglang tests_vllm bench scripts
-	$(VENV)/bin/ruff format --check client server tests tests_sglang tests_vllm bench scripts
+	$(VENV)/bin/ruff check client server tests tests_sglang tests_vllm tests_stores bench scripts
+	$(VENV)/bin/ruff format --check client server tests tests_sglang tests_vllm tests_stores bench scripts
 	$(VENV)/bin/mypy
 
 ## Regenerate the Python API from proto/ (tests fail when the two drift).

@@ -6,7 +6,9 @@ The daemon uses it as an optional tier under the host tier (``--store-dir``;
 bottom up: ``errors``; ``keysource`` (where the deployment key comes from:
 ``local``, ``file:``, ``cdh:``); ``keys`` (names and keys derived from it);
 ``record`` (the sealed object format, the package's one user of AES-GCM);
-``fsio`` (the directory: shards, atomic publish, eviction); ``scopes``
+``backend`` (what the store needs from its storage), ``fsio`` (the
+directory backend: shards, atomic publish, eviction), ``s3`` (the S3
+backend, ``--store s3://``); ``scopes``
 (per-tenant epochs and their lineage, drop); ``fsstore`` (:class:`FsStore`, the API). Nothing
 is imported here.
 """

@@ -1,7 +1,8 @@
 """A sealed block store on a directory, shared by replicas and restarts.
 
 :class:`FsStore` keeps sealed KV blocks in a directory that belongs to the
-host (a local disk, or a ReadWriteMany volume every replica mounts) under a
+host (a local disk, or a ReadWriteMany volume every replica mounts), or in
+another backend of :mod:`.backend` (an S3 bucket: :mod:`.s3`), under a
 *deployment key* the replicas share (:mod:`.keysource`). The daemon's store
 tier (``kvseal.server.cache.storetier``, ``--store-dir``) is built on it;
 it also has its own tests (docs/store.md).
