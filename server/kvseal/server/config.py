@@ -169,8 +169,10 @@ class ServerConfig:
             raise ValueError("--log-format must be text or json")
         if self.store_dir is not None and self.store_url is not None:
             raise ValueError("give --store-dir or --store, not both")
-        if self.store_url is not None and not self.store_url.startswith("s3://"):
-            raise ValueError("--store must be s3://BUCKET/PREFIX?... or dir:///PATH")
+        if self.store_url is not None and not self.store_url.startswith(("s3://", "mooncake://")):
+            raise ValueError(
+                "--store must be s3://BUCKET/PREFIX?..., mooncake://MASTER:PORT?... or dir:///PATH"
+            )
         if self.store_dir is not None or self.store_url is not None:
             if self.store_dir is not None and not self.store_dir.strip():
                 raise ValueError("--store-dir must name a directory")

@@ -168,7 +168,8 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
         help="the store as a URL instead of --store-dir: dir:///PATH (the same as "
         "--store-dir PATH) or s3://BUCKET/PREFIX?endpoint=URL&region=R&credentials=env|"
         "file:PATH&timeout=S&retries=N (needs kvseal-server[s3]; credentials never in the "
-        'URL; docs/store.md, "S3") [KVSEAL_STORE]',
+        'URL; docs/store.md, "S3") or mooncake://MASTER_HOST:PORT?local=HOST&metadata=..'
+        '(needs kvseal-server[mooncake]; docs/store.md, "Mooncake Store") [KVSEAL_STORE]',
     )
     p.add_argument(
         "--store-bytes",
@@ -216,10 +217,11 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store-locality",
         choices=("local", "remote"),
-        default=_env("KVSEAL_STORE_LOCALITY", "local"),
-        help="where the store directory is, as its events tell vLLM and llm-d (medium "
-        "STORAGE): local (a disk of this node) or remote (a network volume every replica "
-        "mounts) [KVSEAL_STORE_LOCALITY]",
+        default=_env("KVSEAL_STORE_LOCALITY"),
+        help="where the store is, as its events tell vLLM and llm-d (medium STORAGE): local "
+        "(a disk of this node) or remote (a network volume every replica mounts, or a "
+        "shared backend); default: remote for s3:// and mooncake:// stores, local for a "
+        "directory [KVSEAL_STORE_LOCALITY]",
     )
     p.add_argument(
         "--store-fsync",
@@ -250,9 +252,11 @@ def _store_location(store_dir: str | None, store: str | None) -> tuple[str | Non
         if not path.startswith("/"):
             raise ValueError("--store dir:///PATH takes an absolute path")
         return path, None
-    if store.startswith("s3://"):
+    if store.startswith(("s3://", "mooncake://")):
         return None, store
-    raise ValueError("--store must be dir:///PATH or s3://BUCKET/PREFIX?...")
+    raise ValueError(
+        "--store must be dir:///PATH, s3://BUCKET/PREFIX?... or mooncake://MASTER:PORT?local=HOST..."
+    )
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
@@ -268,6 +272,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
         )
     if args.store_fsync not in ("on", "off"):  # KVSEAL_STORE_FSYNC skips argparse's choices
         raise ValueError("--store-fsync must be on or off")
+    if not args.store_locality:  # a shared backend is every replica's: remote to each
+        args.store_locality = "remote" if store_url is not None else "local"
     if args.store_locality not in ("local", "remote"):  # likewise KVSEAL_STORE_LOCALITY
         raise ValueError("--store-locality must be local or remote")
     return ServerConfig(

@@ -42,6 +42,7 @@ from kvseal.server.store.backend import BackendOpener
 from kvseal.server.store.errors import KeySourceError, StoreError
 from kvseal.server.store.fsstore import FsStore, StoreConfig
 from kvseal.server.store.keysource import parse_key_source
+from kvseal.server.store.mooncake import open_mooncake
 from kvseal.server.store.s3 import open_s3
 from kvseal.server.threads import FixedPool, name_os_thread
 from kvseal.v1 import kvseal_pb2 as pb
@@ -103,8 +104,10 @@ def operator_check(
 
 def open_store(cfg: ServerConfig) -> FsStore | None:
     """The store tier under its deployment key (``--store-*``): a directory
-    (``--store-dir``, ``--store dir:///PATH``) or an S3 bucket (``--store
-    s3://...``, :mod:`kvseal.server.store.s3`); None without either. A key
+    (``--store-dir``, ``--store dir:///PATH``), an S3 bucket (``--store
+    s3://...``, :mod:`kvseal.server.store.s3`) or a Mooncake Store cluster
+    (``--store mooncake://...``, :mod:`kvseal.server.store.mooncake`); None
+    without either. A key
     that cannot be had (an unsafe or malformed file, the CDH refusing or
     unreachable for ``--store-key-wait`` seconds), a directory or bucket that
     cannot be used as configured (another fanout, too small, a shard that is
@@ -118,7 +121,11 @@ def open_store(cfg: ServerConfig) -> FsStore | None:
     if cfg.store_url is not None:
         flag = "--store"
         try:
-            opener = open_s3(cfg.store_url)  # parsed before the key is fetched
+            # parsed before the key is fetched
+            if cfg.store_url.startswith("mooncake://"):
+                opener = open_mooncake(cfg.store_url)
+            else:
+                opener = open_s3(cfg.store_url)
         except StoreError as e:
             raise SystemExit(f"kvseal-server: --store: {e}") from None
     try:
