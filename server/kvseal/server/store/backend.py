@@ -5,10 +5,11 @@ that makes the store safe (sealing, names, scope markers and floors, the
 erasure and replay rules) and talk to storage only through
 :class:`StoreBackend`: a flat space of *names* (64 hex digits, or 64 hex
 digits + ``.scope`` for a scope marker or floor) holding opaque byte strings
-(records, already sealed). Two backends exist: a POSIX directory
-(:class:`~.fsio.StoreDir`, ``--store-dir`` / ``--store dir:///path``) and an
-S3 bucket (:class:`~.s3.S3Backend`, ``--store s3://bucket/prefix``). A key-value
-object store (Mooncake Store) fits the same shape.
+(records, already sealed). Three backends exist: a POSIX directory
+(:class:`~.fsio.StoreDir`, ``--store-dir`` / ``--store dir:///path``), an
+S3 bucket (:class:`~.s3.S3Backend`, ``--store s3://bucket/prefix``) and a
+Mooncake Store cluster (:class:`~.mooncake.MooncakeBackend`, ``--store
+mooncake://master:port?local=...``).
 
 The backend is the host's: nothing it returns is trusted. The store library
 authenticates every byte it reads, so a backend's duty is narrower:
