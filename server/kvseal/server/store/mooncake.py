@@ -72,6 +72,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -97,6 +98,7 @@ _NOT_FOUND = -704
 _HAS_LEASE = -706
 _RPC = frozenset({-900, -901})  # RPC_FAIL, RPC_TIMEOUT: the master is not answering
 _T = TypeVar("_T")
+_USAGE_NAMES = 1 << 16  # records usage() remembers (about 100 bytes each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +236,9 @@ class MooncakeBackend:
         # A call stuck in Mooncake's client holds its worker for up to its 30 s
         # RPC timeout: a slot is taken per call and refused when none is free.
         self._slots = threading.BoundedSemaphore(workers)
-        self._published: dict[str, int] = {}  # name -> size, for usage()
+        # name -> size of what this process published, for usage(); bounded
+        # (the master evicts without telling: an estimate, not an inventory).
+        self._published: OrderedDict[str, int] = OrderedDict()
         self._pinned = ReplicateConfig()
         self._pinned.soft_pin_action = SoftPinAction.ENABLE
         self._plain = ReplicateConfig()
@@ -411,6 +415,9 @@ class MooncakeBackend:
         if won:
             with self._lock:
                 self._published[name] = len(data)
+                self._published.move_to_end(name)
+                if len(self._published) > _USAGE_NAMES:
+                    self._published.popitem(last=False)
         return won
 
     def remove(self, name: str, ident: Ident | None = None) -> bool:
@@ -445,8 +452,9 @@ class MooncakeBackend:
         return Evicted()
 
     def usage(self) -> Usage:
-        """What this process published and has not removed (Mooncake has no
-        listing; the master may have evicted some of it)."""
+        """What this process published and has not removed, of its latest
+        :data:`_USAGE_NAMES` records (Mooncake has no listing; the master may
+        have evicted some of it)."""
         with self._lock:
             sizes = dict(self._published)
         markers = sum(1 for n in sizes if n.endswith(".scope"))
