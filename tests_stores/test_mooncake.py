@@ -244,3 +244,22 @@ def test_a_master_that_is_not_there_fails_the_open(tmp_path: Path) -> None:
     url = f"mooncake://{MC_MASTER_IP}:50071?local={MC_MASTER_IP.rsplit('.', 1)[0]}.2&timeout=0.5"
     with pytest.raises(StoreUnavailable):
         store(url)
+
+
+def test_a_daemon_with_a_malformed_mooncake_url_says_why_in_one_line_and_exits_2(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [
+            sys.executable, "-m", "kvseal.server", "--backend", "cpu",
+            "--listen", f"unix://{tmp_path / 's.sock'}",
+            "--store", "mooncake://10.199.0.1:50051?metadata=P2PHANDSHAKE",
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "kvseal-server" in line]
+    assert len(lines) == 1 and "local= is required" in lines[0], r.stderr
