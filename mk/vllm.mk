@@ -3,7 +3,8 @@
 # builds .venv-vllm from requirements-vllm.txt (every package pinned, --no-deps),
 # generates a tiny random-weight model and runs tests_vllm/ against a real daemon.
 #
-#   make test-vllm    the suite (two short engine runs, about 4 minutes on 2 cores)
+#   make test-vllm    the suite: real engines and daemons (36 minutes on 2 shared cores at
+#                     load 3-85, 25 on average, 2026-12-07; engines that share nothing start together)
 #   make test-vllm-033  vLLM 0.33's own scheduler and connector code against a real
 #                     daemon (no CPU engine of 0.33 exists): the 0.33 wheel installed
 #                     --no-deps into .venv-vllm/vllm033, first on PYTHONPATH
@@ -33,6 +34,9 @@ $(VLLM_STAMP): requirements-vllm.txt client/pyproject.toml server/pyproject.toml
 	$(VLLM_PY) -m pip install --quiet --no-deps --no-build-isolation -e client -e server
 	touch $@
 
+# timeout=1200: a backstop above every test's own bounds (an engine fixture's 900 s;
+# a test whose bounds add up past it marks its own), so on a loaded machine a slow
+# run fails on the bound that names what was slow, with its log.
 test-vllm: venv-vllm
 	$(VLLM_PY) -m pytest tests_vllm --ignore=tests_vllm/v033 -o timeout=1200 -p no:cacheprovider $(PYTEST_ARGS)
 
