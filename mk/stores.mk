@@ -13,7 +13,7 @@
 # transfer engine will not use the loopback and would otherwise send to the
 # machine's own LAN address. Without root the Mooncake tests skip.
 #
-#   make test-stores   the suite (about 4 minutes on 2 cores, plus the install once)
+#   make test-stores   the suite (about 2.5 minutes on 2 cores, 6 under a heavy load; plus the install once)
 
 STORES_DIR   := .venv-stores
 STORES_STAMP := $(STORES_DIR)/.installed
