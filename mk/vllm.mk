@@ -3,8 +3,9 @@
 # builds .venv-vllm from requirements-vllm.txt (every package pinned, --no-deps),
 # generates a tiny random-weight model and runs tests_vllm/ against a real daemon.
 #
-#   make test-vllm    the suite: real engines and daemons (36 minutes on 2 shared cores at
-#                     load 3-85, 25 on average, 2026-12-07; engines that share nothing start together)
+#   make test-vllm    the suite: real engines and daemons (21 minutes of pytest, quiet, in a
+#                     fresh clone's .ci/run on this project's 2-core CPU machine, 2026-12-07;
+#                     36 minutes at load 3-85; engines that share nothing start together)
 #   make test-vllm-033  vLLM 0.33's own scheduler and connector code against a real
 #                     daemon (no CPU engine of 0.33 exists): the 0.33 wheel installed
 #                     --no-deps into .venv-vllm/vllm033, first on PYTHONPATH
