@@ -302,3 +302,11 @@ def test_named_drops_answer_for_victims_chosen_before_them() -> None:
     d.end(d.begin(other, [b"b"]))
     assert not d.dropped_since(late, k, b"x")
     assert d.dropped_since(mark, k, b"zzz"), "the log no longer reaches the mark"
+    # A drop running when the mark is taken: its index pass may have run before
+    # the victim was chosen, and it may end before the snapshot looks.
+    d2 = NamedDrops()
+    running = d2.begin(k, [b"v"])
+    chosen = d2.mark()
+    d2.end(running)
+    assert d2.dropped_since(chosen, k, b"v"), "a drop in progress at the mark was missed"
+    assert not d2.dropped_since(chosen, k, b"w")

@@ -72,8 +72,10 @@ class NamedDrops:
         self._active: dict[int, tuple[ScopeKey, frozenset[bytes]]] = {}
 
     def mark(self) -> int:
-        """The sequence number of the newest drop begun so far."""
-        return self._seq
+        """The sequence number below every drop begun so far or still running:
+        a drop in progress at the mark counts as begun after it, since its
+        index pass may already have run and miss a victim chosen after it."""
+        return min(self._active, default=self._seq + 1) - 1
 
     def begin(self, key: ScopeKey, hashes: Sequence[bytes]) -> int:
         """A drop of ``hashes`` of ``key`` begins; returns its number for :meth:`end`."""
