@@ -160,6 +160,8 @@ def test_the_url_is_checked_and_never_carries_credentials(credentials_file: Path
     for bad, why in [
         ("s3://AKIAXXXX:S3CR3TVALUE@my-bucket/p", "credentials never go"),
         ("s3://my-bucket/p?endpoint=http://u:S3CR3TVALUE@127.0.0.1:9", "no userinfo"),
+        ("s3://my-bucket/p?endpoint=http://127.0.0.1:9/t/S3CR3TVALUE", "no userinfo, path"),
+        ("s3://my-bucket/p?endpoint=http%3A%2F%2F127.0.0.1%3A9%2F%3Ft%3DS3CR3TVALUE", "or query"),
         ("s3://my-bucket/p?secret_key=S3CR3TVALUE", "unknown S3 store parameter"),
         ("s3://my-bucket/../p", "'..'"),
         ("s3://My_Bucket/p", "not a valid bucket"),

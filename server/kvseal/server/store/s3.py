@@ -141,8 +141,19 @@ class S3Location:
         endpoint = one.get("endpoint")
         if endpoint is not None:
             e = urllib.parse.urlsplit(endpoint)
-            if e.scheme not in ("http", "https") or not e.hostname or "@" in e.netloc:
-                raise StoreLayoutError("endpoint= must be http(s)://HOST[:PORT], no userinfo")
+            # Nothing but scheme, host and port: the endpoint is logged
+            # (describe), and a path, query or fragment could carry a token.
+            if (
+                e.scheme not in ("http", "https")
+                or not e.hostname
+                or "@" in e.netloc
+                or e.path not in ("", "/")
+                or e.query
+                or e.fragment
+            ):
+                raise StoreLayoutError(
+                    "endpoint= must be http(s)://HOST[:PORT]: no userinfo, path or query"
+                )
         credentials = one.get("credentials", "env")
         if credentials != "env" and not (credentials.startswith("file:") and len(credentials) > 5):
             raise StoreLayoutError("credentials= must be env or file:PATH")
