@@ -611,6 +611,13 @@ class Fuzzer:
                 out(f"    e.g. {ex}")
         passed = sum(1 for c in self.checks.values() if not c.failed)
         failed = sum(1 for c in self.checks.values() if c.failed)
+        # Failures again, last: CI keeps only the tail of a long log, and the
+        # table above can be cut off before the failing row.
+        for c in self.checks.values():
+            if c.failed:
+                out(f"FAILED: {c.name} ({c.failed:,} of {c.passed + c.failed:,})")
+                for ex in c.examples[:3]:
+                    out(f"    e.g. {ex}")
         out(f"\n{passed} passed, {failed} failed")
         return passed, failed
 
