@@ -68,6 +68,15 @@ class Discovery:
             self._q.put(k)
         return True
 
+    def reask(self, tenant: bytes, h: bytes) -> bool:
+        """Forget that one block was found absent, so :meth:`discover` asks
+        about it again (a handoff whose publish may still be in flight; the
+        caller bounds how long). False when the mirror cannot ask now."""
+        if not self._m.synced.is_set():
+            return False
+        self.absent.discard((tenant, h))
+        return True
+
     def forget_all(self) -> None:
         """Start over: blocks known absent may be present again."""
         self.absent = set()

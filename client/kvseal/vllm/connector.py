@@ -19,6 +19,10 @@ What it adds to vLLM's own OffloadingConnector, and why:
   ``recompute`` vLLM recomputes them. A model with several KV-cache groups
   (hybrid sliding-window or Mamba models) reports the request instead, as a
   failed receive (``get_transfer_results``), which vLLM recomputes whole;
+- prefill/decode disaggregation (:mod:`kvseal.vllm.pd`, docs/pd.md): a
+  request with ``do_remote_decode`` finishes with the decode's
+  ``kv_transfer_params`` (counts only); a request carrying them waits, with
+  a bound, for the prefill's blocks to reach the shared sealed store;
 - vLLM's ``KVCacheConfig`` is handed to the spec, which offloads every group
   vLLM's offloading config selects, each with its real bytes. vLLM's OffloadingConnector itself
   supports no failed job; the connector forces ``recompute`` (and says so) when
@@ -41,7 +45,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvseal.core import shm_kv
-from kvseal.vllm import compat, logs, orphan, spec
+from kvseal.vllm import compat, logs, orphan, pd, spec
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -93,6 +97,9 @@ class KVSealOffloadingConnector(OffloadingConnector):
             ktc.kv_load_failure_policy = "recompute"
         spec._current_vllm_config = vllm_config
         spec._current_kv_cache_config = kv_cache_config
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._pd_wait_s = pd.wait_s(ktc.kv_connector_extra_config)
+        self._handoffs = pd.DecodeOutcomes()
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
@@ -116,7 +123,42 @@ class KVSealOffloadingConnector(OffloadingConnector):
 
     def on_new_request(self, request: Request) -> None:
         spec.note_request_salt(request.request_id, request.cache_salt)
+        self._handoffs.arrived(request.request_id, request.kv_transfer_params)
         super().on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int, *args: Any, **kw: Any
+    ) -> tuple[int | None, bool]:
+        n, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens, *args, **kw)
+        if n is not None:  # a final answer (None: vLLM asks again next step)
+            self._handoffs.answered(
+                request.request_id,
+                request.num_prompt_tokens,
+                self._block_size,
+                num_computed_tokens + n,
+                self._pd_wait_s,
+            )
+        return n, is_async
+
+    def request_finished(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, block_ids)
+        return delay, self._handoff(request, params)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        return delay, self._handoff(request, params)
+
+    def _handoff(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Prefill side: the decode's params (kvseal.vllm.pd); the request's prompt
+        # blocks were offloaded, and its last ones are stored at the next step.
+        self._handoffs.finished(request.request_id)
+        return pd.finished_params(
+            request.kv_transfer_params, request.num_prompt_tokens, self._block_size, params
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         # Scheduler side: a step that reports load errors also reports the failed

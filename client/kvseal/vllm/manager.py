@@ -43,7 +43,7 @@ __all__ = [
 from kvseal.client import load_tenant_key, tenant_digest
 from kvseal.core.mirror import DaemonMirror
 from kvseal.v1 import kvseal_pb2 as pb
-from kvseal.vllm import compat, keys
+from kvseal.vllm import compat, keys, pd
 from kvseal.vllm.evict import new_eviction
 from kvseal.vllm.metrics import (  # re-exported
     CONFIG_INFO_KEYS,
@@ -160,6 +160,7 @@ class _ReqState:
     tenant: bytes
     # (group index, end token) -> kvseal hash of the block stored there
     stored_at: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    handoff_until: float = 0.0  # a P/D handoff's absent blocks are asked again until then
 
 
 @dataclass
@@ -348,7 +349,10 @@ class KVSealOffloadingManager(OffloadingManager):
             self.evict.bind(compat.caller_frame())
         # _tenant_of also names the tenant on every mirror's pool: the daemon
         # scopes their event streams to tenants named there.
-        self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
+        st = self._reqs[req_context.req_id] = _ReqState(self._tenant_of(req_context.req_id))
+        st.handoff_until = pd.handoff_deadline(
+            req_context.kv_transfer_params, self.spec.extra_config
+        )
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -384,7 +388,12 @@ class KVSealOffloadingManager(OffloadingManager):
         for m in g.mirrors:
             if m.contains(tenant, h):
                 continue
-            if m.discovery.known_absent(tenant, h) or not m.discovery.discover(tenant, h):
+            # A P/D handoff's block may be absent only until the prefill's publish
+            # lands (kvseal.vllm.pd): asked again until the request's bound.
+            late = st is None or time.monotonic() >= st.handoff_until
+            if m.discovery.known_absent(tenant, h) and (late or not m.discovery.reask(tenant, h)):
+                return LookupResult.MISS
+            if not m.discovery.discover(tenant, h):
                 return LookupResult.MISS
             retry = True
         return LookupResult.RETRY if retry else LookupResult.MISS
