@@ -32,7 +32,11 @@ What it does, in one run:
    ``--cost-only`` runs just this (and ``--cost-blocks`` picks the sizes).
 6. The store tier's rows (``store_transfers.py``): sealed spill and store
    restore of the same 4 MiB blocks against a plain file copy of the same
-   bytes, in process, in a temp directory. ``--store-only`` runs just this.
+   bytes, in process, in a temp directory; then each store backend
+   (``store_backends.py``: S3 through ``weed mini``, Mooncake Store through
+   ``mooncake_master``, started here) against its own client's raw put and
+   get of the same bytes, beside the directory's rows; a backend that cannot
+   start here is skipped with the reason. ``--store-only`` runs just this.
 7. Prints markdown tables (last), stops the daemons with SIGTERM.
 
 Throughput is GB/s = 1e9 bytes/s of plaintext. No GPU is used.
@@ -58,6 +62,7 @@ from pathlib import Path
 import cpu_transfers
 import grpc
 import request_cost
+import store_backends
 import store_transfers
 from kvseal.client import ClientConfig, KVSealClient, KVSealRpcError
 from kvseal.client.shm import LAYOUTS, KVShape, SharedKVPool
@@ -348,6 +353,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="4 MiB blocks per store repetition (default 64; --quick: 4)",
     )
     p.add_argument(
+        "--store-backend-blocks",
+        type=int,
+        default=None,
+        help="4 MiB blocks per repetition on S3 and Mooncake (default 16; --quick: 4)",
+    )
+    p.add_argument(
         "--workers", type=int, default=2, help="sealing threads, daemon and in process (default 2)"
     )
     return p.parse_args(argv)
@@ -379,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = ["--workers", str(args.workers)]
 
     store_blocks = args.store_blocks or (4 if args.quick else 64)
+    backend_blocks = args.store_backend_blocks or (4 if args.quick else 16)
     if args.round_trip_only:
         print(cpu_label(), flush=True)
         print()
@@ -386,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.store_only:
         print(cpu_label(), flush=True)
         print()
-        return store_table(block_bytes, store_blocks, reps)
+        return store_table(block_bytes, store_blocks, reps, backend_blocks)
 
     print(cpu_label(), flush=True)
     print(
@@ -468,17 +480,28 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if args.cost_only:
         return 0
-    store_table(block_bytes, store_blocks, reps)
+    store_table(block_bytes, store_blocks, reps, backend_blocks)
     return round_trip_table(rtt_calls)
 
 
-def store_table(block_bytes: int, blocks: int, reps: int) -> int:
-    """Measure the store tier's rows and print their table."""
-    fs, rows = store_transfers.measure(
-        block_bytes, blocks, reps, lambda line: print(line, flush=True)
-    )
+def store_table(block_bytes: int, blocks: int, reps: int, backend_blocks: int) -> int:
+    """Measure the store tier's rows and print their table, then each
+    backend's against its raw client (``store_backends.py``) beside the
+    directory's."""
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    fs, rows = store_transfers.measure(block_bytes, blocks, reps, say)
     print()
     for line in store_transfers.table(fs, block_bytes, blocks, reps, rows):
+        print(line)
+    print()
+    backends = store_backends.measure(block_bytes, backend_blocks, reps, say)
+    labels = ("spill (put) vs plain write, fsync", "restore (get) vs plain read, page cache")
+    dir_rows = [
+        (label, r.sealed_gbs, r.plain_gbs, r.ratios)
+        for label, r in zip(labels, rows[:2], strict=True)
+    ]
+    print()
+    for line in store_backends.table(block_bytes, backend_blocks, reps, backends, dir_rows):
         print(line)
     print()
     return 0

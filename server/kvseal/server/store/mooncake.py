@@ -26,7 +26,7 @@ What Mooncake gives, and what it does not (docs/store.md, "Mooncake Store"):
   lies (or evicts the marker between the put and the read-back) can make two
   writers each believe they won: two epochs, which the scope rules answer
   with one more rotation, never a wrong serve. ``remove(name, ident)`` (a
-  record found bad) re-reads and compares a digest before removing: a good
+  record found bad) re-reads and compares the bytes before removing: a good
   record published over the bad one in the window of that one request can
   be removed (a miss, never a wrong serve).
 - **Leases.** The master leases an object to each reader for
@@ -66,7 +66,7 @@ metadata server's ``http://HOST:PORT/metadata``.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
+import ctypes
 import re
 import socket
 import threading
@@ -87,6 +87,7 @@ from kvseal.server.store.fsio import (
     MAX_FANOUT,
     is_power_of_two,
 )
+from kvseal.server.store.record import HEADER_BYTES, TAG_BYTES
 
 _PARAMS = frozenset(
     {"local", "metadata", "segment", "buffer", "protocol", "device", "prefix", "timeout", "backoff"}
@@ -96,6 +97,7 @@ _PREFIX = re.compile(r"[A-Za-z0-9_.-]{0,64}/?")
 # Mooncake's error codes (mooncake-store/include/types.h) that this backend reads.
 _NOT_FOUND = -704
 _HAS_LEASE = -706
+_INVALID_PARAMS = -600  # get_into: the object does not fit the buffer given
 _RPC = frozenset({-900, -901})  # RPC_FAIL, RPC_TIMEOUT: the master is not answering
 _T = TypeVar("_T")
 _USAGE_NAMES = 1 << 16  # records usage() remembers (about 100 bytes each)
@@ -194,10 +196,6 @@ def _probe(what: str, hostport: str, timeout_s: float) -> None:
         raise StoreUnavailable(f"Mooncake {what} {hostport}: {type(e).__name__}") from None
 
 
-def _digest(data: bytes | bytearray | memoryview) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
 class MooncakeBackend:
     """The store's records in a Mooncake Store cluster (see the module
     docstring): a :class:`~.backend.StoreBackend`. Thread-safe: calls go
@@ -239,6 +237,8 @@ class MooncakeBackend:
         # name -> size of what this process published, for usage(); bounded
         # (the master evicts without telling: an estimate, not an inventory).
         self._published: OrderedDict[str, int] = OrderedDict()
+        # Registered read buffers by size (get_into's targets; _read_key).
+        self._free: dict[int, list[tuple[bytearray, int]]] = {}
         self._pinned = ReplicateConfig()
         self._pinned.soft_pin_action = SoftPinAction.ENABLE
         self._plain = ReplicateConfig()
@@ -275,16 +275,30 @@ class MooncakeBackend:
 
     # ------------------------------------------------------------ calls
 
-    def _run(self, op: str, fn: Callable[[], _T], timeout_s: float | None = None) -> _T:
+    def _run(
+        self,
+        op: str,
+        fn: Callable[[], _T],
+        timeout_s: float | None = None,
+        on_abandon: Callable[[], None] | None = None,
+    ) -> _T:
         """``fn`` on a worker, waited for at most ``timeout_s`` (the URL's
         timeout); StoreUnavailable (and the back-off) when it is late, the
-        pool is full of stuck calls, or the store is closed or backing off."""
+        pool is full of stuck calls, or the store is closed or backing off.
+        ``on_abandon``: whenever this raises, run once ``fn`` has ended (at
+        once if it has, or never started): what ``fn`` writes into stays out
+        of use until it has stopped writing, and is never lost."""
+        refused = None
         if self._closed:
-            raise StoreUnavailable("the Mooncake store is closed")
-        if time.monotonic() < self._down_until:
-            raise StoreUnavailable(f"Mooncake {op}: the master failed recently (backing off)")
-        if not self._slots.acquire(blocking=False):
-            raise StoreUnavailable(f"Mooncake {op}: every worker is waiting on the master")
+            refused = StoreUnavailable("the Mooncake store is closed")
+        elif time.monotonic() < self._down_until:
+            refused = StoreUnavailable(f"Mooncake {op}: the master failed recently (backing off)")
+        elif not self._slots.acquire(blocking=False):
+            refused = StoreUnavailable(f"Mooncake {op}: every worker is waiting on the master")
+        if refused is not None:
+            if on_abandon is not None:
+                on_abandon()
+            raise refused
 
         def job() -> _T:
             try:
@@ -296,9 +310,18 @@ class MooncakeBackend:
             fut = self._pool.submit(job)
         except RuntimeError:  # the pool was shut down by close()
             self._slots.release()
+            if on_abandon is not None:
+                on_abandon()
             raise StoreUnavailable("the Mooncake store is closed") from None
         try:
-            return fut.result(timeout=timeout_s if timeout_s is not None else self.loc.timeout_s)
+            try:
+                return fut.result(
+                    timeout=timeout_s if timeout_s is not None else self.loc.timeout_s
+                )
+            except BaseException:
+                if on_abandon is not None:
+                    fut.add_done_callback(lambda _f: on_abandon())
+                raise
         except concurrent.futures.TimeoutError:
             self._down()
             raise StoreUnavailable(f"Mooncake {op}: no answer in time") from None
@@ -347,28 +370,85 @@ class MooncakeBackend:
 
     # ------------------------------------------------------------ records
 
-    def _read_key(self, name: str, max_bytes: int) -> tuple[bytearray, Ident] | None:
-        """get_size, then get when it fits ``max_bytes`` (and the client's
-        buffer); None when absent or larger. A record replaced by a larger
-        one between the two calls is refused by its length."""
+    def _buffer(self, size: int) -> tuple[bytearray, int]:
+        """A registered buffer of exactly ``size`` bytes from the free list
+        (a new one registered when none is free). At most one per call in
+        flight, and calls in flight are bounded by the worker slots."""
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+        buf = bytearray(size)
+        addr = ctypes.addressof((ctypes.c_char * size).from_buffer(buf))
+        rc = int(self._store.register_buffer(addr, size))
+        if rc != 0:
+            raise StoreUnavailable(f"Mooncake register_buffer: error {rc}")
+        return buf, addr
+
+    def _give(self, size: int, entry: tuple[bytearray, int], keep: bool) -> None:
+        """Back to the free list, or (``keep`` False: a size the host chose,
+        read once to remove a bad record) unregistered and dropped, so what
+        the host stores cannot grow what is kept: the sizes kept are the
+        few the code reads with (layout, scope records, blocks)."""
+        if keep:
+            with self._lock:
+                self._free.setdefault(size, []).append(entry)
+        else:
+            self._store.unregister_buffer(entry[1])
+
+    def _read_key(
+        self, name: str, max_bytes: int, scratch: bytearray | None = None, *, keep: bool = True
+    ) -> tuple[bytearray | memoryview, Ident] | None:
+        """One ``get_into`` of at most ``max_bytes`` (and the client's
+        buffer) into a registered buffer of that size, then a copy into
+        ``scratch`` (when it fits) or a new private bytearray. None when
+        absent or larger: Mooncake refuses an object that does not fit the
+        buffer given (-600) before transferring it, and leaves it in place.
+        One request to the master instead of ``get_size`` + ``get``, no
+        bytes object allocated per read. The registered buffer returns to
+        the free list only once the call has stopped writing into it (a
+        call abandoned at its timeout gives it back when it ends), so the
+        snapshot returned is never written to after it was taken.
+
+        The ident is the record's header (its salt, nonce and generation are
+        fresh for every seal), its tag and its length: whatever another
+        writer publishes at the name since differs in it; bytes forged to
+        match it only let a removal remove them."""
         key = self._key(name)
-        size = self._rc("get_size", self._run("get_size", lambda: int(self._store.get_size(key))))
-        if size == _NOT_FOUND or size > max_bytes or size > self.loc.buffer_bytes:
-            return None
-        if size < 0:
-            raise StoreUnavailable(f"Mooncake get_size: error {size}")
-        data = self._run("get", lambda: bytes(self._store.get(key)))
-        if not data or len(data) > max_bytes:
-            return None  # gone meanwhile (get answers b"" for a miss), or replaced by a larger one
-        return bytearray(data), _digest(data)
+        size = min(max_bytes, self.loc.buffer_bytes)
+        if size <= 0:
+            return None  # nothing fits (and Mooncake holds no empty object)
+        entry = self._buffer(size)
+        buf, addr = entry
+        # A call that raises or is abandoned gives the buffer back once it
+        # has ended (on_abandon); one that returned gives it back below.
+        rc = self._run(
+            "get_into",
+            lambda: int(self._store.get_into(key, addr, size)),
+            on_abandon=lambda: self._give(size, entry, keep),
+        )
+        try:
+            n = self._rc("get_into", rc)
+            if n in (_NOT_FOUND, _INVALID_PARAMS) or n == 0:
+                return None  # absent, or larger than max_bytes (left in place)
+            if n < 0 or n > size:
+                raise StoreUnavailable(f"Mooncake get_into: error {n}")
+            if scratch is not None and len(scratch) >= n:
+                out: bytearray | memoryview = memoryview(scratch)[:n]
+                out[:] = memoryview(buf)[:n]
+            else:
+                out = bytearray(memoryview(buf)[:n])
+            ident = (n, bytes(out[:HEADER_BYTES]), bytes(out[-TAG_BYTES:]))
+            return out, ident
+        finally:
+            self._give(size, entry, keep)
 
     def read(
         self, name: str, max_bytes: int, scratch: bytearray | None = None
     ) -> tuple[bytearray | memoryview, Ident] | None:
-        """See :meth:`.backend.StoreBackend.read`; the ident is a digest of
-        the bytes read (Mooncake has no versions). ``scratch`` is not used:
-        the client hands back its own copy."""
-        return self._read_key(name, max_bytes)
+        """See :meth:`.backend.StoreBackend.read` (and :meth:`_read_key`:
+        the ident, what ``scratch`` is used for)."""
+        return self._read_key(name, max_bytes, scratch)
 
     def exists(self, name: str) -> bool:
         key = self._key(name)
@@ -402,7 +482,11 @@ class MooncakeBackend:
         raises StoreUnavailable: the spill is skipped."""
         pinned = name.endswith(".scope")
         if replace:
-            key, body = self._key(name), bytes(data)
+            # ``data`` is not copied (the client takes a bytearray): the
+            # caller never changes it after the call (FsStore.put publishes
+            # seal()'s fresh record), so a call abandoned at its timeout
+            # still reads whole bytes.
+            key, body = self._key(name), data
             cfg = self._pinned if pinned else self._plain
             rc = self._rc(
                 "upsert", self._run("upsert", lambda: int(self._store.upsert(key, body, cfg)))
@@ -422,12 +506,16 @@ class MooncakeBackend:
 
     def remove(self, name: str, ident: Ident | None = None) -> bool:
         """Forced remove (the module docstring: leases); with ``ident``, only
-        if a re-read still finds the bytes of that digest."""
+        if a re-read still finds the bytes read then (the ident)."""
+        key = self._key(name)
         if ident is not None:
-            got = self._read_key(name, self.loc.buffer_bytes)
+            size = self._rc(
+                "get_size", self._run("get_size", lambda: int(self._store.get_size(key)))
+            )
+            fits = 0 < size <= self.loc.buffer_bytes
+            got = self._read_key(name, size, keep=False) if fits else None
             if got is None or got[1] != ident:
                 return False
-        key = self._key(name)
         rc = self._rc("remove", self._run("remove", lambda: int(self._store.remove(key, True))))
         if rc == _HAS_LEASE:  # an older client without force: the lease runs out soon
             return False
