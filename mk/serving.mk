@@ -126,3 +126,21 @@ bench-serving-store: venv-vllm
 serving-report-store: venv-vllm
 	$(VLLM_PY) -m bench.serving.store_points --report $(SERVING_STORE_RESULTS) \
 	  --md $(SERVING_MD) --png docs/serving-store.png
+
+# The second-replica point per store backend (issue 38): the directory, S3
+# (SeaweedFS's weed mini) and Mooncake Store (mooncake_master plus this
+# process as the store node), against the no-offload baseline, each server
+# started by the bench (bench/store_backends.py) from .venv-stores, inside
+# tests_stores/netns.sh's namespace (Mooncake's transfer engine refuses the
+# loopback; without root the Mooncake point is skipped with its reason).
+# 8 engine starts with ARGS=--quick (about 12 minutes on 2 cores).
+#
+#   make bench-serving-store-backends ARGS=--quick
+SERVING_STORE_BACKENDS_RESULTS ?= $(SERVING_HIST)/serving-store-backends-results.json
+
+.PHONY: bench-serving-store-backends
+
+bench-serving-store-backends: venv-vllm venv-stores stores-system-deps
+	PYTHONPATH=$(abspath .venv-stores) tests_stores/netns.sh $(VLLM_PY) -m bench.serving.store_points \
+	  --work $(SERVING_WORK)-store-backends --backends dir,s3,mooncake --points none,replica \
+	  --out $(SERVING_STORE_BACKENDS_RESULTS) $(ARGS)

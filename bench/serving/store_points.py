@@ -10,6 +10,13 @@ behind a real ``vllm serve``, at the two points it exists for.
 - *second replica*: pair A serves the first round and stops; a new pair B (a
   new engine, a new daemon on another socket and port, the same directory and
   key) serves the second.
+- *second replica on S3 / on Mooncake Store* (``--backends dir,s3,mooncake``):
+  the same, with the store on a real S3 server (SeaweedFS's ``weed mini``) or
+  a real Mooncake Store (``mooncake_master`` and one node mounting the
+  cluster's memory, this process: the daemons mount none, so what A stored
+  outlives A, as on a fleet's store nodes), both started here
+  (bench/store_backends.py). Mooncake needs tests_stores/netns.sh's network
+  namespace; ``make bench-serving-store`` runs the whole bench in it.
 
 The baseline is a no-offload engine that serves the first round, is
 restarted, and serves the second: a restarted engine and a fresh replica
@@ -28,6 +35,7 @@ tokens served from the engine's prefix cache, from the kvseal tier
 and computed, and the store's own counters from the daemon's ``/metrics``.
 
     python -m bench.serving.store_points [--quick] [--reps N] [--work DIR] [--out FILE]
+        [--backends dir,s3,mooncake] [--points restart,none,replica,none-b]
     python -m bench.serving.store_points --report RESULTS.json
         [--md bench/serving/history/README.md] [--png docs/serving-store.png]
 """
@@ -35,6 +43,7 @@ and computed, and the store's own counters from the daemon's ``/metrics``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -43,6 +52,8 @@ import shutil
 import statistics
 import sys
 import time
+import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,19 +73,29 @@ from bench.serving.workloads import (  # noqa: E402
     run_poisson,
     text,
 )
+from bench.store_backends import Skip, mooncake_master, weed_server  # noqa: E402
 
 STORE_BYTES = "256MiB"  # a round's blocks are ~25 MiB of records
 # "none-b": a fresh no-offload engine serving only the second round, its
 # arrivals drawn from another seed: other batches, the same prompts (how much
 # batching alone moves greedy tokens on this model).
 POINTS = ("restart", "none", "replica", "none-b")
+# The second replica with the store on another backend (--backends).
+BACKEND_POINTS = {"s3": "replica-s3", "mooncake": "replica-mooncake"}
 TITLES = {"restart": "restart-warm", "replica": "second replica", "none": "no offload",
-          "none-b": "no offload, other arrivals"}  # fmt: skip
+          "none-b": "no offload, other arrivals", "replica-s3": "second replica, S3",
+          "replica-mooncake": "second replica, Mooncake"}  # fmt: skip
+STORE_POINTS = ("restart", "replica", *BACKEND_POINTS.values())
+# Per request to S3 or the Mooncake master: a loaded 2-core machine keeps
+# either busy past the backends' 1 s default, and a timeout is a miss.
+BACKEND_TIMEOUT_S = 5
 BASELINES = ("none", "none-b")
 SECTION = "store-tables"
 COMPARED = (
     ("restart", "none", "restart-warm vs no offload, same repetition"),
     ("replica", "none", "second replica vs no offload, same repetition"),
+    ("replica-s3", "none", "second replica on S3 vs no offload, same repetition"),
+    ("replica-mooncake", "none", "second replica on Mooncake vs no offload, same repetition"),
     ("restart", "replica", "restart-warm vs second replica, same repetition"),
     ("none-b", "none", "no offload, other arrivals vs no offload, same repetition"),
     ("none", "none", "no offload vs no offload, across repetitions (the same arrivals)"),
@@ -102,12 +123,15 @@ class StoreArm(Arm):
     ``file:`` key), its Prometheus endpoint on, and the adapter's lookup
     discovery on (docs/vllm.md: store blocks are announced by no event)."""
 
-    def __init__(self, name: str, model: Path, work: Path, store: Path, key: Path) -> None:
+    def __init__(self, name: str, model: Path, work: Path, store: Path | str, key: Path) -> None:
+        """``store``: a directory, or a ``--store`` URL (s3://, mooncake://)."""
         super().__init__(name, model, work, mode="wt")
         self.store, self.key, self.mport = store, key, free_port()
 
     def daemon_extra(self) -> tuple[str, ...]:
-        return ("--store-dir", str(self.store), "--store-key", f"file:{self.key}",
+        where = (("--store-dir", str(self.store)) if isinstance(self.store, Path)
+                 else ("--store", self.store))  # fmt: skip
+        return (*where, "--store-key", f"file:{self.key}",
                 "--store-bytes", STORE_BYTES, "--store-max-block-bytes", "1MiB",
                 "--metrics-address", f"127.0.0.1:{self.mport}")  # fmt: skip
 
@@ -194,9 +218,11 @@ def serve(arm: Arm, prompts: list[str], pl: dict[str, Any], seed: int) -> dict[s
 
 
 def run_point(point: str, rep: int, model: Path, work: Path, key: Path,
-              pl: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+              pl: dict[str, Any], urls: dict[str, str]) -> dict[str, Any]:  # fmt: skip
     """One point of one repetition: round 1, the restart (or the new replica),
-    round 2 (``none-b``: round 2 only, other arrival times)."""
+    round 2 (``none-b``: round 2 only, other arrival times). ``urls``: each
+    started backend's ``--store`` URL, a ``{point}`` in it for the key prefix
+    (every point and repetition a store of its own)."""
     s = pl["seed"]
     first = llmd_requests(s, pl["groups"], pl["per_group"], pl["prefix"], pl["question"])
     second = llmd_requests(s, pl["groups"], pl["per_group"], pl["prefix"], pl["question"],
@@ -208,6 +234,10 @@ def run_point(point: str, rep: int, model: Path, work: Path, key: Path,
         a = b = Arm(f"{point}-{rep}", model, work, mode="none")
     elif point == "restart":
         a = b = StoreArm(f"restart-{rep}", model, work, store, key)
+    elif point in BACKEND_POINTS.values():
+        url = urls[point.removeprefix("replica-")].format(point=f"{point}-{rep}")
+        a = StoreArm(f"{point}-a-{rep}", model, work, url, key)
+        b = StoreArm(f"{point}-b-{rep}", model, work, url, key)
     else:
         a = StoreArm(f"replica-a-{rep}", model, work, store, key)
         b = StoreArm(f"replica-b-{rep}", model, work, store, key)
@@ -217,7 +247,7 @@ def run_point(point: str, rep: int, model: Path, work: Path, key: Path,
             out["round1"] = serve(a, first, pl, s)
         finally:
             a.stop()
-    if point not in BASELINES:
+    if point in ("restart", "replica"):
         out["store_after_round1"] = store_usage(store)
     if b is a:
         a.port = free_port()  # the old one may linger in TIME_WAIT
@@ -283,7 +313,7 @@ def tables(res: dict[str, Any]) -> list[str]:
     for key, label in (("round2", "2 (measured)"), ("round1", "1 (fills the store)")):
         base = _rounds(res, "none", key)
         b = _median_point(base) if base else None
-        for point in ("restart", "replica", "none", "none-b"):
+        for point in (*STORE_POINTS, "none", "none-b"):
             rs = _rounds(res, point, key)
             if not rs:
                 continue
@@ -335,10 +365,12 @@ def plot(res: dict[str, Any], png: str) -> None:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(8.5, 3.4))
     labels, eng, tier, comp = [], [], [], []
-    for i, point in enumerate(("none", "restart", "replica")):
+    i = -1
+    for point in ("none", *STORE_POINTS):
         rs = _rounds(res, point, "round2")
         if not rs:
             continue
+        i += 1
         p = _median_point(rs)
         labels.append(TITLES[point] if point != "none" else "no offload\n(restarted)")
         ax.bar([i - 0.2], [p["ttft_p50"]], 0.4, color="C0", label="p50" if i == 0 else None)
@@ -383,6 +415,10 @@ def main() -> None:
     ap.add_argument("--md", help="with --report: write the tables into this file's"
                     f" <!-- {SECTION}:begin/end --> markers")  # fmt: skip
     ap.add_argument("--png", help="with --report: write the plot here")
+    ap.add_argument("--backends", default="dir", help="dir,s3,mooncake: s3 and mooncake"
+                    " each add a second-replica point (their servers started here)")  # fmt: skip
+    ap.add_argument("--points", default=",".join(POINTS),
+                    help=f"the directory points and baselines, of {POINTS}")  # fmt: skip
     args = ap.parse_args()
     if args.report:
         done = json.loads(Path(args.report).read_text())
@@ -399,17 +435,86 @@ def main() -> None:
     if args.reps:
         pl["reps"] = args.reps
     key = key_file(work / "store.key")
+    points = [p for p in args.points.split(",") if p]
+    if not set(points) <= set(POINTS):
+        raise SystemExit(f"--points: of {','.join(POINTS)}")
+    backends = [b for b in args.backends.split(",") if b]
+    if not set(backends) <= {"dir", *BACKEND_POINTS}:
+        raise SystemExit("--backends: of dir,s3,mooncake")
+    with contextlib.ExitStack() as servers:
+        urls, skipped = start_backends(servers, work, backends)
+        points += [BACKEND_POINTS[b] for b in backends if b in urls]
+        run_all(args, work, out, model, key, pl, points, urls, skipped)
+
+
+def start_backends(
+    servers: contextlib.ExitStack, work: Path, backends: list[str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Start the S3 and Mooncake servers ``backends`` names (stopped when
+    ``servers`` closes); their daemons' ``--store`` URLs (``{point}``: the
+    key prefix), and why any could not start."""
+    urls: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    for b in backends:
+        if b == "dir":
+            continue
+        root = work / f"server-{b}"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        try:
+            if b == "s3":
+                url = servers.enter_context(weed_server(root))
+                u = urllib.parse.urlsplit(url)
+                urls[b] = f"s3://{u.netloc}/{{point}}?{u.query}&timeout={BACKEND_TIMEOUT_S}"
+            else:
+                # This process is the cluster's store node: it mounts the
+                # memory, the daemons mount none (segment=0).
+                url = servers.enter_context(mooncake_master(root, 1 << 30))
+                servers.enter_context(mooncake_node(url))
+                u = urllib.parse.urlsplit(url)
+                q = dict(urllib.parse.parse_qsl(u.query))
+                q.update(segment="0", prefix="{point}/", timeout=str(BACKEND_TIMEOUT_S))
+                query = "&".join(f"{k}={v}" for k, v in q.items())
+                urls[b] = f"mooncake://{u.netloc}?{query}"
+        except Skip as e:
+            skipped[b] = str(e)
+            log(f"{b}: skipped: {e}")
+    return urls, skipped
+
+
+@contextlib.contextmanager
+def mooncake_node(url: str) -> Iterator[None]:
+    """A Mooncake client in this process mounting the segment ``url`` names."""
+    from kvseal.server.store.mooncake import MooncakeLocation
+    from mooncake.store import MooncakeDistributedStore
+
+    loc = MooncakeLocation.parse(url)
+    node = MooncakeDistributedStore()
+    rc = node.setup(loc.local, loc.metadata, loc.segment_bytes, 16 << 20, "tcp", "", loc.master)
+    if rc != 0:
+        raise Skip(f"the Mooncake store node did not start: error {rc}")
+    try:
+        yield
+    finally:
+        node.close()
+
+
+def run_all(args: argparse.Namespace, work: Path, out: Path, model: Path, key: Path,
+            pl: dict[str, Any], points: list[str], urls: dict[str, str],
+            skipped: dict[str, str]) -> None:  # fmt: skip
+    """Every repetition of ``points`` (rotating their order), one at a time."""
     res: dict[str, Any] = {
         "quick": args.quick, "plan": pl, "cpus": os.cpu_count(), "machine": machine(),
         "store_bytes": STORE_BYTES,
         "engine_blocks": ENGINE_BLOCKS, "host_blocks": HOST_BLOCKS, "block_tokens": BLOCK,
         "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "runs": [],
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "points": points, "skipped": skipped,
     }  # fmt: skip
     for rep in range(pl["reps"]):
-        k = rep % len(POINTS)
-        for point in POINTS[k:] + POINTS[:k]:
-            res["runs"].append(run_point(point, rep, model, work, key, pl))
+        k = rep % len(points)
+        for point in points[k:] + points[:k]:
+            res["runs"].append(run_point(point, rep, model, work, key, pl, urls))
             out.write_text(json.dumps(res, indent=1))
     res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     out.write_text(json.dumps(res, indent=1))
