@@ -53,6 +53,8 @@ KUSTOMIZATIONS = {
     "base": K8S / "base",
     "overlay-vllm": K8S / "overlays" / "vllm",
     "overlay-store": K8S / "overlays" / "store",
+    "overlay-store-s3": K8S / "overlays" / "store-s3",
+    "overlay-store-mooncake": K8S / "overlays" / "store-mooncake",
 }
 MONITORING = K8S / "monitoring"
 DOCKERFILE = DEPLOY / "container" / "Dockerfile"
@@ -83,6 +85,7 @@ DAEMON_FLAGS = {
     "--log-format",
     "--log-level",
     "--store-dir",
+    "--store",
     "--store-key",
     "--store-bytes",
     "--store-locality",
@@ -402,6 +405,63 @@ def test_store_overlay_mounts_a_shared_volume_and_the_key() -> None:
         sidecar["args"][: len(_by_name(base["initContainers"], "kvseal")["args"])]
         == (_by_name(base["initContainers"], "kvseal")["args"])
     )
+
+
+def _store_sidecar(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The rendered pod and kvseal sidecar of a shared-store overlay, after
+    checking what every such overlay has: the key Secret on the sidecar only
+    (read-only, no access for others), and otherwise the vllm overlay's pod."""
+    pod = _deployment(_render(KUSTOMIZATIONS[name]))["spec"]["template"]["spec"]
+    sidecar = _by_name(pod["initContainers"], "kvseal")
+    mounts = {m["name"]: m for m in sidecar["volumeMounts"]}
+    key = _option_value(sidecar["args"], "--store-key")
+    assert key.startswith("file:" + mounts["kvseal-store-key"]["mountPath"] + "/")
+    assert mounts["kvseal-store-key"]["readOnly"] is True
+    assert _by_name(pod["volumes"], "kvseal-store-key")["secret"]["defaultMode"] & 0o007 == 0
+    assert "--store-dir" not in sidecar["args"], "a shared store needs no volume"
+    base = _deployment(_render(KUSTOMIZATIONS["overlay-vllm"]))["spec"]["template"]["spec"]
+    assert pod["containers"] == base["containers"], "the engine mounts no key, no credentials"
+    base_args = _by_name(base["initContainers"], "kvseal")["args"]
+    assert sidecar["args"][: len(base_args)] == base_args
+    return pod, sidecar
+
+
+def test_s3_overlay_takes_credentials_from_a_secret_file() -> None:
+    """The S3 overlay (docs/store.md, "S3"): the URL parses as the daemon
+    parses it and names a credentials file on a Secret mounted on the sidecar
+    only, never in args or env (both are logged and shown by kubectl)."""
+    from kvseal.server.store.s3 import S3Location
+
+    pod, sidecar = _store_sidecar("overlay-store-s3")
+    loc = S3Location.parse(_option_value(sidecar["args"], "--store"))
+    assert loc.endpoint and loc.endpoint.startswith("https://"), "TLS to the endpoint"
+    assert loc.credentials.startswith("file:")
+    mounts = {m["name"]: m for m in sidecar["volumeMounts"]}
+    assert loc.credentials == "file:" + mounts["kvseal-store-s3"]["mountPath"] + "/credentials"
+    assert mounts["kvseal-store-s3"]["readOnly"] is True
+    secret = _by_name(pod["volumes"], "kvseal-store-s3")["secret"]
+    assert secret["defaultMode"] & 0o077 == 0, "the daemon refuses a file others can read"
+    for c in pod["initContainers"] + pod["containers"]:
+        names = {e["name"] for e in c.get("env", [])}
+        assert not {n for n in names if n.startswith("AWS_")}, c["name"]
+    assert _option_value(sidecar["args"], "--store-locality") == "remote"
+
+
+def test_mooncake_overlay_serves_on_the_pod_ip_and_mounts_no_memory() -> None:
+    """The Mooncake overlay (docs/store.md, "Mooncake Store"): the URL parses
+    as the daemon parses it once the kubelet put the pod's IP in (local= is
+    required), the sidecar mounts no memory of its own (segment=0: what it
+    stored outlives the pod), and POD_IP comes from the downward API."""
+    from kvseal.server.store.mooncake import MooncakeLocation
+
+    _, sidecar = _store_sidecar("overlay-store-mooncake")
+    url = _option_value(sidecar["args"], "--store")
+    assert "local=$(POD_IP)" in url
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    loc = MooncakeLocation.parse(url.replace("$(POD_IP)", "10.1.2.3"))
+    assert loc.local == "10.1.2.3" and loc.segment_bytes == 0
+    assert loc.metadata.startswith("http://")
 
 
 def test_overlay_keeps_the_existing_deployment() -> None:
