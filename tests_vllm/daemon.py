@@ -26,6 +26,10 @@ class Daemon:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     args: list[str] = field(default_factory=list)
+    # Another interpreter and environment for the daemon (a store backend's
+    # client library lives outside this venv: tests_vllm/store_backends.py).
+    python: str = sys.executable
+    env: dict[str, str] | None = None
 
     @property
     def socket(self) -> str:
@@ -46,14 +50,18 @@ class Daemon:
     def start(self, timeout: float = 30.0) -> Daemon:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.args = [
-            sys.executable, "-m", "kvseal.server",
+            self.python, "-m", "kvseal.server",
             "--listen", self.target, "--backend", "cpu",
             "--host-bytes", self.host_bytes, "--grace", "2",
             "--host-region", str(self.region), *self.extra,
         ]  # fmt: skip
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
-                self.args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+                self.args,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
             )
         self.starts += 1
         deadline = time.monotonic() + timeout

@@ -20,6 +20,13 @@ kvseal parts in turn (each needs the store the one before it left):
 - ``other_key``: a new engine against daemon 3, the same directory under
   another key file: every block is a miss and the engine recomputes.
 
+The driver takes the store as a flag: a directory (``--store-dir``, above)
+or, with ``--backend-dir``, a shared S3 or Mooncake Store server started by
+tests_vllm/store_backends.py (``--store s3://...``, ``--store mooncake://...``);
+test_store_backends_engine.py runs it so, where ``tampered`` replaces
+``other_key``: the host rewrites every block object, and a new engine against
+a new daemon (same key, ``--on-integrity-failure drop``) recomputes.
+
 The daemons' ``Stats`` and ``/metrics`` (``kvseal_store_*``, read with
 tests/store_helpers.py's ``scrape``) are read around each part; the tests
 assert on the JSON the drivers write. About 2.5 minutes on 2 cores.
@@ -124,6 +131,7 @@ def main() -> None:
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="baseline,store", help="baseline, store (the other three)")
+    ap.add_argument("--backend-dir", default="", help="a store_backends.StoreServer's workdir")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     from tests.store_helpers import key_file
@@ -135,13 +143,20 @@ def main() -> None:
     store = work / "store"
     keys = [key_file(work / "key-1"), key_file(work / "key-2")]
     res: dict[str, Any] = {}
+    remote = None
+    if args.backend_dir:
+        from tests_vllm.store_backends import StoreServer
 
-    def part(name: str, key: Path | None) -> _Part:
+        remote = StoreServer.attach(Path(args.backend_dir))
+
+    def part(name: str, key: Path | None, *more: str) -> _Part:
         port = free_port()
         d = None
         if key is not None:
-            flags = (*_store_flags(store, key), "--metrics-address", f"127.0.0.1:{port}")
-            d = Daemon(work / f"daemon-{name}", extra=flags).start()
+            store_flags = _store_flags(store, key) if remote is None else remote.flags(key)
+            flags = (*store_flags, "--metrics-address", f"127.0.0.1:{port}", *more)
+            kw = {} if remote is None else remote.daemon_kwargs()
+            d = Daemon(work / f"daemon-{name}", extra=flags, **kw).start()
             atexit.register(d.stop)  # also when this driver fails
         return _Part(args.model, d, port)
 
@@ -155,13 +170,16 @@ def main() -> None:
         p.tenant(STRANGER)
         res["baseline"] = p.close()
     if "store" in parts:
-        store_parts(part, keys, per_tenant, res)
+        store_parts(part, keys, per_tenant, res, remote)
     Path(args.out).write_text(json.dumps(res))
     os._exit(0)  # as driver.py: vLLM's atexit hooks can linger on 2 busy cores
 
 
-def store_parts(part: Any, keys: list[Path], per_tenant: int, res: dict[str, Any]) -> None:
-    """``first``, ``second`` and ``other_key`` in turn (module doc) into ``res``."""
+def store_parts(
+    part: Any, keys: list[Path], per_tenant: int, res: dict[str, Any], remote: Any = None
+) -> None:
+    """``first``, ``second`` and ``other_key`` (a directory) or ``tampered``
+    (a ``remote`` store server) in turn (module doc) into ``res``."""
     p = part("first", keys[0])
     p.figures("start")
     for t in TENANTS:
@@ -178,6 +196,17 @@ def store_parts(part: Any, keys: list[Path], per_tenant: int, res: dict[str, Any
         p.tenant(t)
     p.figures("end")
     res["second"] = p.close()
+
+    if remote is not None:
+        tampered = remote.tamper()  # the host, through the server's own API
+        p = part("tampered", keys[0], "--on-integrity-failure", "drop")
+        p.res["tampered_objects"] = tampered
+        p.figures("start")
+        for t in TENANTS:
+            p.tenant(t)
+        p.figures("end")
+        res["tampered"] = p.close()
+        return
 
     p = part("other_key", keys[1])
     p.figures("start")
@@ -207,13 +236,12 @@ def _cached(part: dict[str, Any], tenant: str) -> list[int]:
 DRIVER_TIMEOUT_S = 900
 
 
-@pytest.fixture(scope="module")
-def store_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The two drivers (the baseline; the three kvseal parts), started at once:
-    the baseline shares nothing with the others, and an engine's start-up
-    leaves much of a 2-core machine idle. Each a session of its own, killed
-    with its engine when it fails or outlives its bound."""
-    work = tmp_path_factory.mktemp("store-engine")
+def run_drivers(model: Path, work: Path, runs: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    """This file's driver once per ``runs`` entry (name: its own arguments),
+    started at once: each run shares nothing with the others, and an engine's
+    start-up leaves much of a 2-core machine idle. Each a session of its own,
+    killed with its engine when it fails or outlives its bound. Returns each
+    run's JSON by name."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
@@ -221,33 +249,41 @@ def store_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         "OMP_WAIT_POLICY": "PASSIVE",  # spinning OMP threads would starve the daemons
     }
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    r: dict[str, Any] = {}
+    r: dict[str, dict[str, Any]] = {}
     t0 = time.monotonic()
     try:
-        for parts in ("baseline", "store"):
-            wd = work / parts
+        for name, more in runs.items():
+            wd = work / name
             wd.mkdir()
             with open(wd / "driver.log", "wb") as f:
-                procs[parts] = subprocess.Popen(
+                procs[name] = subprocess.Popen(
                     [sys.executable, str(HERE / "test_store_engine.py"), "--model",
-                     str(tiny_model), "--workdir", str(wd), "--out", str(wd / "result.json"),
-                     "--parts", parts],
+                     str(model), "--workdir", str(wd), "--out", str(wd / "result.json"), *more],
                     stdout=f, stderr=subprocess.STDOUT, cwd=wd, env=env, start_new_session=True,
                 )  # fmt: skip
-        for parts, p in procs.items():
+        for name, p in procs.items():
             try:
                 rc: int | None = p.wait(max(1.0, t0 + DRIVER_TIMEOUT_S - time.monotonic()))
             except subprocess.TimeoutExpired:
                 rc = None
-            out, log = work / parts / "result.json", work / parts / "driver.log"
-            assert rc == 0 and out.exists(), (parts, rc, log.read_text(errors="replace")[-6000:])
-            r.update(json.loads(out.read_text()))
+            out, log = work / name / "result.json", work / name / "driver.log"
+            assert rc == 0 and out.exists(), (name, rc, log.read_text(errors="replace")[-6000:])
+            r[name] = json.loads(out.read_text())
     finally:
         for p in procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     return r
+
+
+@pytest.fixture(scope="module")
+def store_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The two drivers (the baseline; the three kvseal parts on a directory),
+    started at once (run_drivers)."""
+    work = tmp_path_factory.mktemp("store-engine")
+    runs = run_drivers(tiny_model, work, {p: ["--parts", p] for p in ("baseline", "store")})
+    return {**runs["baseline"], **runs["store"]}
 
 
 def test_engine_restored_from_the_store_after_a_daemon_restart(store_run: dict[str, Any]) -> None:
