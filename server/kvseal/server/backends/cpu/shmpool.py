@@ -106,6 +106,7 @@ class CpuMappedPool:
                     )
                 memory.append(BufferMemory((st.st_dev, st.st_ino), b.offset, b.size))
             check_disjoint(memory, g.segments, g.num_pages)
+            self._confirm_owner_locks()
         except BaseException:
             self.close()
             raise
@@ -148,7 +149,21 @@ class CpuMappedPool:
         self._fds[name] = fd
         self._sizes[name] = st.st_size
         if _locked_by_other(fd):
-            self._owner_locked.add(name)
+            self._owner_locked.add(name)  # provisional: rechecked by _confirm_owner_locks
+
+    def _confirm_owner_locks(self) -> None:
+        """Keep as owner-locked only the objects whose lock is still held a
+        moment later. A lock seen once may be another process's probe (an
+        engine's ``sweep_orphans`` holds an exclusive lock for microseconds);
+        an engine's owner lock lasts as long as the engine. Counting a probe as
+        an owner lock would unlink a live object's name at the close. One wait
+        for the whole pool, only when some object looked locked."""
+        if not self._owner_locked:
+            return
+        time.sleep(_PROBE_RECHECK_S)
+        for name in list(self._owner_locked):
+            if not _locked_by_other(self._fds[name]):
+                self._owner_locked.discard(name)
 
     def check(self) -> None:
         """Raise HandleUnusable if an object shrank since it was opened (an
@@ -319,16 +334,29 @@ class CpuMappedPool:
         self._fds.clear()
 
 
+# The daemon's own probes (_locked_by_other and _unlink_if_orphaned) each take
+# an exclusive flock for a moment. Two at once on one object (two pools over
+# the same object registered together, or one closing while another opens)
+# would each take the other's probe for an engine's owner lock, and a plain
+# object taken for owner-locked has its live name unlinked when that pool
+# closes. So this process probes one object at a time. A probe by another
+# process is absorbed by CpuMappedPool._confirm_owner_locks (looked at again
+# after _PROBE_RECHECK_S).
+_probe_lock = threading.Lock()
+_PROBE_RECHECK_S = 0.005
+
+
 def _locked_by_other(fd: int) -> bool:
     """Whether another open file description holds a flock on the object."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
+    with _probe_lock:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_UN)
         return False
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return False
 
 
 # A dying engine's socket may close (its hold ends, the daemon drops the pool)
@@ -364,6 +392,11 @@ def _unlink_if_orphaned(fd: int, name: str) -> bool:
     still names the object open as ``fd``. The exclusive lock is held until the
     name is gone, as the engines' own sweep does. False only while the lock is
     held (the engine lives); True when there is nothing more to do."""
+    with _probe_lock:
+        return _unlink_if_orphaned_locked(fd, name)
+
+
+def _unlink_if_orphaned_locked(fd: int, name: str) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # its engine lives and keeps the name
