@@ -133,7 +133,7 @@ serving-report-store: venv-vllm
 # started by the bench (bench/store_backends.py) from .venv-stores, inside
 # tests_stores/netns.sh's namespace (Mooncake's transfer engine refuses the
 # loopback; without root the Mooncake point is skipped with its reason).
-# 8 engine starts with ARGS=--quick (about 12 minutes on 2 cores).
+# 8 engine starts with ARGS=--quick (7.5 minutes on 2 cores at load 5-7).
 #
 #   make bench-serving-store-backends ARGS=--quick
 SERVING_STORE_BACKENDS_RESULTS ?= $(SERVING_HIST)/serving-store-backends-results.json
