@@ -991,7 +991,8 @@ def test_image_requirements_pinned_and_complete() -> None:
     for dist in ("client", "server"):
         project = tomllib.loads((ROOT / dist / "pyproject.toml").read_text())["project"]
         deps = list(project.get("dependencies", []))
-        deps += project.get("optional-dependencies", {}).get("cuda", [])
+        extras = project.get("optional-dependencies", {})
+        deps += extras.get("cuda", []) + extras.get("s3", [])  # the image's store backend
         for dep in deps:
             name = re.split(r"[<>=!~;\[ ]", dep, maxsplit=1)[0]
             needed.add(re.sub(r"[-_.]+", "-", name).lower())
