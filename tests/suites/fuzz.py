@@ -102,7 +102,9 @@ MAX_BATCH = 64
 PAGES_PER_THREAD = 8
 CHAINS, CHAIN_LEN, TENANTS = 6, 12, 3
 POISON = 0xA5
-TIMEOUT = 60.0  # generous: a lost reply would blur the counter checks
+TIMEOUT = 60.0  # generous: a lost reply would blur the counter checks; every
+# call and every stream that must end by itself waits this long, so a loaded
+# machine (CI beside other jobs) is not taken for a daemon that never answered
 SMALL = {"tokens_per_page": 4, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}  # 1 KiB
 LARGE = {"tokens_per_page": 16, "num_layers": 4, "num_kv_heads": 2, "head_dim": 16}  # 8 KiB
 
@@ -898,7 +900,7 @@ class Worker:
         pid = rep.pool_id
         unregister = ser(pb.UnregisterPoolRequest(pool_id=pid))
         self._life_transfer(pid, frozenset({OK_, FULL}))
-        call: Any = fz.streams["HoldPool"](ser(pb.HoldPoolRequest(pool_id=pid)), timeout=10)
+        call: Any = fz.streams["HoldPool"](ser(pb.HoldPoolRequest(pool_id=pid)), timeout=TIMEOUT)
         try:
             first = next(call)
             fz.check(
@@ -913,7 +915,7 @@ class Worker:
         lookup = ser(pb.LookupRequest(pool_id=pid, tenant=fz.tenants[0], block_hashes=[bytes(32)]))
         if self.rnd.random() < 0.5:
             watch: Any = fz.streams["WatchEvents"](
-                ser(pb.WatchEventsRequest(pool_id=pid)), timeout=10
+                ser(pb.WatchEventsRequest(pool_id=pid)), timeout=TIMEOUT
             )
             token = rep.owner_token
             res2 = fz.call(
@@ -1294,7 +1296,7 @@ class Worker:
                 else pw.field(1, pw.LEN, fake.encode() + b"\xc3\x28")
             )
             want = NO_POOL if kind == "hold" else INVALID
-            fz.stream("HoldPool", payload, "invalid", frozenset({want}), kind, timeout=10)
+            fz.stream("HoldPool", payload, "invalid", frozenset({want}), kind, timeout=TIMEOUT)
         elif kind == "watch_nopool":
             fz.stream(
                 "WatchEvents",
@@ -1302,13 +1304,15 @@ class Worker:
                 "invalid",
                 frozenset({INVALID}),
                 kind,
-                timeout=10,
+                timeout=TIMEOUT,
             )
         elif kind == "watch_tenant":
             req = pb.WatchEventsRequest(
                 pool_id=t.pool_id, tenant=self.rnd.randbytes(self.rnd.choice((1, 31, 33, 1000)))
             )
-            fz.stream("WatchEvents", ser(req), "invalid", frozenset({INVALID}), kind, timeout=10)
+            fz.stream(
+                "WatchEvents", ser(req), "invalid", frozenset({INVALID}), kind, timeout=TIMEOUT
+            )
         elif kind == "watch_unknown":
             fz.stream(
                 "WatchEvents",
@@ -1316,7 +1320,7 @@ class Worker:
                 "invalid",
                 frozenset({NO_POOL}),
                 kind,
-                timeout=10,
+                timeout=TIMEOUT,
             )
         else:
             fz.call(
@@ -1364,7 +1368,7 @@ class Worker:
             # A body that parses may open a live stream: read briefly. One that
             # does not must be refused, so wait for the refusal (a loaded
             # machine can take longer than a brief read).
-            wait = 0.3 if parsed is not None else 10.0
+            wait = 0.3 if parsed is not None else TIMEOUT
             fz.stream(rpc, data, "mutated", expect, label, timeout=wait, max_msgs=1)
             return
         res = fz.call(rpc, data, "mutated", expect, label)
