@@ -1,6 +1,6 @@
 """Runs one real vLLM engine (CPU platform, tiny local model) through the test
-workload and writes what happened as JSON. A separate process because vLLM
-spawns its engine-core and worker processes (the ``__main__`` guard).
+workload and writes what happened as JSON. A process of its own: the engine
+runs in it (tests_vllm/engine_process.py), one engine per process.
 
 ``--mode baseline``: plain vLLM, prefix caching on, no connector.
 ``--mode anchor``: the same engine with vLLM's own CPU offloading manager and
@@ -78,6 +78,9 @@ class Engine:
         from vllm import LLM, SamplingParams
         from vllm.config import KVEventsConfig, KVTransferConfig
 
+        from tests_vllm.engine_process import run_engines_in_this_process
+
+        run_engines_in_this_process()
         kw: dict[str, Any] = {}
         if anchor:
             root = str(Path(__file__).resolve().parent.parent)  # bench.serving.anchor
@@ -209,6 +212,7 @@ def main() -> None:
     phases = set(args.phases.split(","))
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests_vllm.daemon import Daemon
+    from tests_vllm.engine_process import stop_engine
 
     workdir = Path(args.workdir)
     daemon: Daemon | None = None
@@ -281,9 +285,8 @@ def main() -> None:
         res["events"] = sub.close()
     res["total_s"] = round(time.monotonic() - t0, 1)
     Path(args.out).write_text(json.dumps(res))
-    # Stop vLLM's engine-core and worker processes now: os._exit below skips the
-    # interpreter's own shutdown, which would otherwise leave them running.
-    eng.llm.llm_engine.engine_core.shutdown()
+    # Stop the engine now: os._exit below skips the interpreter's own shutdown.
+    stop_engine(eng.llm)
     if daemon is not None:
         daemon.stop()
     os._exit(0)  # vLLM's atexit hooks can linger on 2 busy cores; the result is written

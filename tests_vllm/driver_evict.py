@@ -1,6 +1,6 @@
 """Runs one real vLLM 0.32 engine (CPU platform, tiny local model) for
-test_evict.py and writes what happened as JSON (a process of its own: vLLM
-forks its engine-core process).
+test_evict.py and writes what happened as JSON (a process of its own: the
+engine runs in it, tests_vllm/engine_process.py).
 
 ``--mode baseline``: the engine alone (prefix caching, no connector).
 ``--mode eviction``: kvseal with ``"kvseal_offload": "eviction"`` against a
@@ -11,10 +11,8 @@ next eviction.
 ``--mode fallback``: the same config, but this vLLM's ``BlockPool.get_new_blocks``
 is replaced by a wrapper whose source no longer pops the free queue and
 notifies reuse watchers: eviction mode's start-up check must refuse it and
-kvseal must run write-through. vLLM's CPU platform spawns its engine-core
-process (a patch made here would not reach it), so this run keeps the engine
-core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the worker is still
-a process of its own).
+kvseal must run write-through. The patch reaches the engine's scheduler
+because every mode's engine runs in this process (tests_vllm/engine_process.py).
 
 Every engine: KV cache of ``KV_BLOCKS`` blocks, ``STEP_TOKENS`` tokens per
 step (chunked prefill), so the default horizon is
@@ -122,9 +120,12 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from tests_vllm.daemon import Daemon
+    from tests_vllm.engine_process import run_engines_in_this_process, stop_engine
 
+    # Every mode's engine core in this process (tests_vllm/engine_process.py): the
+    # fallback mode's patch below reaches it there.
+    run_engines_in_this_process()
     if args.mode == "fallback":
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM reads its envs
         misfit_block_pool()
     daemon: Daemon | None = None
     kw: dict[str, Any] = {}
@@ -212,7 +213,7 @@ def main() -> None:
         phase("pressure", [Conversation(800 + i) for i in range(8)], 5)
     res["total_s"] = round(time.monotonic() - t0, 1)
     Path(args.out).write_text(json.dumps(res))
-    llm.llm_engine.engine_core.shutdown()
+    stop_engine(llm)
     if daemon is not None:
         daemon.stop()
     os._exit(0)  # vLLM's atexit hooks can linger on 2 busy cores; the result is written

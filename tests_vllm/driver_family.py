@@ -1,7 +1,7 @@
 """Runs one real vLLM engine (CPU platform) on a tiny model of one family
 (tests_vllm/families.py) through a workload that overflows the engine's KV
-cache, and writes what happened as JSON. A separate process because vLLM
-spawns its engine-core and worker processes (the ``__main__`` guard).
+cache, and writes what happened as JSON. A process of its own: the engine
+runs in it (tests_vllm/engine_process.py), one engine per process.
 
 ``--mode baseline``: plain vLLM, prefix caching on. ``--mode kvseal``: the
 same engine with kvseal's one-line kv-transfer config against a real daemon
@@ -64,7 +64,14 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from tests_vllm.daemon import Daemon
+    from tests_vllm.engine_process import (
+        run_engines_in_this_process,
+        stop_engine,
+        unlink_kv_objects,
+    )
     from tests_vllm.families import FAMILIES
+
+    run_engines_in_this_process()
 
     workdir = Path(args.workdir)
     stats_path = workdir / "kvseal-stats"
@@ -119,6 +126,7 @@ def main() -> None:
     except Exception as e:  # the start-up refusal is a result too
         res["start_error"] = f"{type(e).__name__}: {e}"
         Path(args.out).write_text(json.dumps(res))
+        unlink_kv_objects()
         if daemon is not None:
             daemon.stop()
         os._exit(0)
@@ -181,7 +189,7 @@ def main() -> None:
         conversations("tamper", 200, tamper)
     res["total_s"] = round(time.monotonic() - t0, 1)
     Path(args.out).write_text(json.dumps(res))
-    llm.llm_engine.engine_core.shutdown()
+    stop_engine(llm)
     if daemon is not None:
         daemon.stop()
     os._exit(0)  # vLLM's atexit hooks can linger on 2 busy cores; the result is written

@@ -33,7 +33,11 @@ if __name__ == "__main__":
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests_vllm.daemon import Daemon
+    from tests_vllm.engine_process import run_engines_in_this_process
 
+    # The engine core in this process (tests_vllm/engine_process.py); the two
+    # ranks stay worker processes of their own (TP=2 runs the mp executor).
+    run_engines_in_this_process()
     work = Path(args.workdir)
     names = ["daemon"] if args.shared_daemon else [f"gpu{r}" for r in (0, 1)]
     ds = [Daemon(work / n).start() for n in names]

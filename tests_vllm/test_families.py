@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,60 +65,118 @@ FAMILIES = ["gemma3", "mla", "fp8", "qwen3next"]
 if os.environ.get("KVSEAL_TEST_ALL_FAMILIES"):
     FAMILIES.append("gptoss")
 
-_results: dict[tuple[str, str], dict[str, Any]] = {}
-
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("families")
 
 
-# One driver's bound: the three runs of a family at once on a loaded 2-core
-# machine (test's pytest-timeout: longer, so this bound ends a slow run, with its log).
+def _modes(family: str) -> list[str]:
+    return ["baseline", "kvseal", *(["anchor"] if family in ANCHORED else [])]
+
+
+# One driver's bound, from its own start, on a loaded 2-core machine (the test's
+# pytest-timeout is longer, so this bound ends a slow run, with its log).
 RUN_TIMEOUT_S = 900
+# Engine runs at once. Each engine computes on one thread (its engine core and
+# worker in its driver process: tests_vllm/engine_process.py), so a family's three
+# runs alone leave a core idle once the first of them ends; the runs of every
+# collected family share these slots instead, the next starting when one ends.
+AT_ONCE = 4
 
 
-def _runs(root: Path, family: str, modes: list[str]) -> dict[str, dict[str, Any]]:
-    """The engine runs of ``family`` in each of ``modes``, started together (an
-    engine's start-up leaves much of a 2-core machine idle: three at once take
-    far less than three in turn) and each read once it has exited."""
-    want = [m for m in modes if (family, m) not in _results]
-    model = make_model(family, root / "models") if want else None
-    procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
-    try:
-        for mode in want:
-            work = root / f"{family}-{mode}"
-            work.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_WAIT_POLICY": "PASSIVE"}
-            cmd = [
-                sys.executable, str(DRIVER), "--mode", mode, "--family", family,
-                "--model", str(model), "--workdir", str(work), "--out", str(work / "result.json"),
-                "--kv-bytes", str(KV_BYTES[family]),
-            ]  # fmt: skip
-            # Its own session: a timeout kills the engine's processes with the driver.
-            with open(work / "driver.log", "wb") as log:
-                procs[mode] = (subprocess.Popen(
-                    cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                ), work)  # fmt: skip
-        t0 = time.monotonic()
-        for mode, (p, work) in procs.items():
-            try:
-                p.wait(max(1.0, t0 + RUN_TIMEOUT_S - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass  # reported below, with the log
-            text = (work / "driver.log").read_text(errors="replace")
-            out = work / "result.json"
-            assert p.returncode == 0 and out.exists(), (mode, p.returncode, text[-6000:])
-            res: dict[str, Any] = json.loads(out.read_text())
-            assert res.get("start_error") is None, res["start_error"]
-            _results[(family, mode)] = res
-    finally:
-        for p, _ in procs.values():
+class FamilyRuns:
+    """The engine runs of the collected families, in test order, ``AT_ONCE`` at
+    a time; owns their driver processes (``close`` kills what still runs, each a
+    session of its own: its engine and daemon go with it). Runs start only while
+    a test waits in :meth:`result` (pytest runs tests in one thread)."""
+
+    def __init__(self, root: Path, families: list[str]) -> None:
+        self.root = root
+        self.queue = [(f, m) for f in families for m in _modes(f)]
+        self.procs: dict[tuple[str, str], tuple[subprocess.Popen[bytes], Path, float]] = {}
+        self.results: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def _start(self, family: str, mode: str) -> None:
+        model = make_model(family, self.root / "models")
+        work = self.root / f"{family}-{mode}"
+        work.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_WAIT_POLICY": "PASSIVE"}
+        cmd = [
+            sys.executable, str(DRIVER), "--mode", mode, "--family", family,
+            "--model", str(model), "--workdir", str(work), "--out", str(work / "result.json"),
+            "--kv-bytes", str(KV_BYTES[family]),
+        ]  # fmt: skip
+        with open(work / "driver.log", "wb") as log:
+            p = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.procs[(family, mode)] = (p, work, time.monotonic())
+
+    def _running(self) -> int:
+        return sum(1 for p, _, _ in self.procs.values() if p.poll() is None)
+
+    def _fill(self, first: list[tuple[str, str]]) -> None:
+        """Start queued runs while slots are free, ``first`` ahead of the rest."""
+        order = [k for k in first if k in self.queue] + [k for k in self.queue if k not in first]
+        for k in order:
+            if self._running() >= AT_ONCE:
+                return
+            self.queue.remove(k)
+            self._start(*k)
+
+    def result(self, family: str, mode: str) -> dict[str, Any]:
+        """``(family, mode)``'s JSON once its driver has exited, starting it (and
+        the runs queued behind it) as slots free up; fails with the log if the
+        driver failed or outlived ``RUN_TIMEOUT_S``."""
+        key = (family, mode)
+        if key in self.results:
+            return self.results[key]
+        if key not in self.procs and key not in self.queue:
+            self.queue.insert(0, key)
+        want = [(family, m) for m in _modes(family)]
+        while True:
+            self._fill(want)
+            if key in self.procs:
+                p, work, t0 = self.procs[key]
+                if p.poll() is not None or time.monotonic() > t0 + RUN_TIMEOUT_S:
+                    break
+            time.sleep(0.5)
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+        text = (work / "driver.log").read_text(errors="replace")
+        out = work / "result.json"
+        assert p.returncode == 0 and out.exists(), (mode, p.returncode, text[-6000:])
+        res: dict[str, Any] = json.loads(out.read_text())
+        assert res.get("start_error") is None, res["start_error"]
+        self.results[key] = res
+        return res
+
+    def close(self) -> None:
+        for p, _, _ in self.procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, 9)
                 p.wait()
-    return {m: _results[(family, m)] for m in modes}
+
+
+@pytest.fixture(scope="module")
+def family_runs(root: Path, request: pytest.FixtureRequest) -> Iterator[FamilyRuns]:
+    """Every family this session's tests ask for (from their parameters), so a
+    test run alone starts only its own family's runs."""
+    wanted = {
+        item.callspec.params["family"]
+        for item in request.session.items
+        if hasattr(item, "callspec")
+        and "family" in item.callspec.params
+        and item.module is request.module
+    }
+    runs = FamilyRuns(root, [f for f in FAMILIES if f in wanted])
+    try:
+        yield runs
+    finally:
+        runs.close()
 
 
 def _outs(res: dict[str, Any], phase: str) -> list[list[list[int]]]:
@@ -151,9 +210,10 @@ def _cached(res: dict[str, Any], phase: str) -> int:
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 300)  # the model build and the bound above
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_restores_every_group_with_the_engines_tokens(root: Path, family: str) -> None:
-    modes = ["baseline", "kvseal", *(["anchor"] if family in ANCHORED else [])]
-    runs = _runs(root, family, modes)
+def test_family_restores_every_group_with_the_engines_tokens(
+    family_runs: FamilyRuns, family: str
+) -> None:
+    runs = {m: family_runs.result(family, m) for m in _modes(family)}
     base, seal = runs["baseline"], runs["kvseal"]
     ref = runs["anchor"] if family in ANCHORED else base
 
