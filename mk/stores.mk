@@ -42,5 +42,17 @@ stores-system-deps:
 		fi; \
 	fi
 
-test-stores: venv $(STORES_STAMP) stores-system-deps
+# Then real engines through the shared stores (issue 38), each pytest in its own
+# engine venv and namespace; the store servers and the daemons run from the main
+# venv with .venv-stores (tests_vllm/store_backends.py): a vLLM engine through S3
+# and through Mooncake (tests_vllm/test_store_backends_engine.py: the baseline and
+# the two backends' drivers at once), then an SGLang server through S3
+# (tests_sglang/test_store_s3.py).
+STORES_ENGINE_ENV := KVSEAL_STORES_DIR=$(abspath $(STORES_DIR)) KVSEAL_STORES_PYTHON=$(abspath $(PY))
+
+test-stores: venv $(STORES_STAMP) stores-system-deps venv-vllm venv-sglang
 	PYTHONPATH=$(abspath $(STORES_DIR)) tests_stores/netns.sh $(PY) -m pytest tests_stores $(PYTEST_ARGS)
+	$(STORES_ENGINE_ENV) tests_stores/netns.sh $(VLLM_PY) -m pytest \
+	    tests_vllm/test_store_backends_engine.py -o timeout=1200 -p no:cacheprovider $(PYTEST_ARGS)
+	$(STORES_ENGINE_ENV) $(SGLANG_ENV) tests_stores/netns.sh $(SGLANG_PY) -m pytest \
+	    tests_sglang/test_store_s3.py -o timeout=900 -p no:cacheprovider $(PYTEST_ARGS)
