@@ -5,7 +5,11 @@
 #
 #   make test-vllm    the suite: real engines and daemons (21 minutes of pytest, quiet, in a
 #                     fresh clone's .ci/run on this project's 2-core CPU machine, 2026-12-07;
-#                     36 minutes at load 3-85; engines that share nothing start together)
+#                     36 minutes at load 3-85; engines that share nothing start together).
+#                     Its five engine modules (e2e, evict, families, store_engine, mla_tp2)
+#                     alone, at load 5-24 (others' runs beside): 21.5 min of pytest before the
+#                     drivers ran their engines in-process (tests_vllm/engine_process.py),
+#                     10.3 min after; the suite itself not yet re-measured
 #   make test-vllm-033  vLLM 0.33's own scheduler and connector code against a real
 #                     daemon (no CPU engine of 0.33 exists): the 0.33 wheel installed
 #                     --no-deps into .venv-vllm/vllm033, first on PYTHONPATH

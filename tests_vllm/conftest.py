@@ -1,7 +1,8 @@
 """Fixtures for the vLLM suite (``make test-vllm``; its own venv, .venv-vllm).
 
-The engine runs are session fixtures: each starts a real vLLM engine
-(~45 s on 2 cores) in a driver process (tests_vllm/driver.py) and the tests
+The engine runs are session fixtures: each starts a real vLLM engine (its
+engine core and worker in the driver process: tests_vllm/engine_process.py)
+in a driver process (tests_vllm/driver.py) and the tests
 read what happened from its JSON. The baseline run has no connector; the
 kvseal run has the one-line kv-transfer config and a real daemon; the anchor
 run has vLLM's own CPU offloading with plain copies (the reference for tokens
@@ -9,9 +10,10 @@ where vLLM's offload path itself changes a near-tie token on this CPU).
 
 The runs the session's tests need (read from their fixture names, so a test
 run alone starts only its own) start together when the first is asked for:
-an engine's start-up leaves much of a 2-core machine idle (process spawns,
-handshakes, one process importing while the other waits), so three at once
-take far less than three in turn. Each has ``DRIVER_TIMEOUT_S`` from its start;
+each engine computes on one thread, so three at once keep both cores busy
+where three in turn would leave one idle. (test_vllm_e2e.py's TP=2 run stays
+apart, after them: its two ranks meet at every step, and beside three engines
+it took twice as long as alone.) Each has ``DRIVER_TIMEOUT_S`` from its start;
 a run that fails (or outlives it) fails the tests that need it, with its log.
 """
 
