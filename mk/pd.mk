@@ -8,7 +8,9 @@
 #                   The scheduler-side handoff under vLLM 0.33/0.34 is in
 #                   tests_vllm/v033/test_pd033.py (make test-vllm-033, -034).
 #   make bench-pd   decode TTFT: the sealed handoff vs the decode recomputing vs one
-#                   engine doing both (bench/pd.py; ARGS passes its options)
+#                   engine doing both, prompts of 512..8192 tokens, the serving
+#                   bench's model at an 8k context (bench/pd.py; ARGS passes its
+#                   options, e.g. ARGS='--reps 1 --out bench/serving/history/pd-results.json')
 
 .PHONY: test-pd bench-pd
 

@@ -32,17 +32,25 @@ KV_BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
 # give 3 : 1), a 128-token window (4 blocks of 32).
 HYBRID_LAYER_TYPES = (["sliding_attention"] * 3 + ["full_attention"]) * 2
 HYBRID_WINDOW = 128
+# The serving bench's context length (its stamp, and so its folder, predates
+# the ``max_position`` keyword: only another length is stamped).
+MAX_POSITION = 4096
 
 
 def word(i: int) -> str:
     return f"w{i}"
 
 
-def make_model(path: Path, seed: int = 4321, small: bool = False) -> Path:
+def make_model(
+    path: Path, seed: int = 4321, small: bool = False, max_position: int = MAX_POSITION
+) -> Path:
     """Write model and tokenizer to ``path`` (idempotent: a model of another
     shape there is rebuilt) and return it. ``small``: the smoke's model
-    (``SMALL_*`` widths, the same KV shape), which no measurement may use."""
-    return _build(path, "llama-small" if small else "llama", seed)
+    (``SMALL_*`` widths, the same KV shape), which no measurement may use.
+    ``max_position``: the context length (``make bench-pd``'s 8k prompts use a
+    longer one, written to its own folder); the weights are the same random
+    draw, only the config's ``max_position_embeddings`` differs."""
+    return _build(path, "llama-small" if small else "llama", seed, max_position)
 
 
 def make_hybrid_model(path: Path, seed: int = 4321) -> Path:
@@ -61,8 +69,9 @@ def _widths(family: str) -> tuple[int, int, int]:
     return HIDDEN, MLP, Q_HEADS
 
 
-def _config(family: str) -> object:
-    """The transformers config of ``family`` ("llama", "llama-small" or "hybrid")."""
+def _config(family: str, max_position: int = MAX_POSITION) -> object:
+    """The transformers config of ``family`` ("llama", "llama-small" or "hybrid"),
+    with a context of ``max_position`` tokens."""
     from transformers import Gemma3TextConfig, LlamaConfig
 
     if family == "hybrid":
@@ -76,7 +85,7 @@ def _config(family: str) -> object:
             head_dim=HEAD_DIM,
             sliding_window=HYBRID_WINDOW,
             layer_types=HYBRID_LAYER_TYPES,
-            max_position_embeddings=4096,
+            max_position_embeddings=max_position,
             bos_token_id=1,
             eos_token_id=2,
             torch_dtype="bfloat16",
@@ -90,14 +99,14 @@ def _config(family: str) -> object:
         num_attention_heads=q_heads,
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position,
         bos_token_id=1,
         eos_token_id=2,
         torch_dtype="bfloat16",
     )
 
 
-def _build(path: Path, family: str, seed: int) -> Path:
+def _build(path: Path, family: str, seed: int, max_position: int = MAX_POSITION) -> Path:
     stamp = path / "kvseal-model.json"
     hidden, mlp, q_heads = _widths(family)
     shape: dict[str, object] = {"layers": LAYERS, "hidden": hidden, "mlp": mlp,
@@ -105,6 +114,8 @@ def _build(path: Path, family: str, seed: int) -> Path:
                                 "head_dim": HEAD_DIM, "seed": seed}  # fmt: skip
     if family == "hybrid":  # the Llamas' stamps stay what they were (no rebuild)
         shape.update(family=family, layer_types=HYBRID_LAYER_TYPES, window=HYBRID_WINDOW)
+    if max_position != MAX_POSITION:  # the default's stamp stays what it was
+        shape["max_position"] = max_position
     built = (path / "tokenizer.json").exists() and stamp.exists()
     if built and json.loads(stamp.read_text()) == shape:
         return path
@@ -113,7 +124,7 @@ def _build(path: Path, family: str, seed: int) -> Path:
     from transformers import Gemma3ForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
-    cfg = _config(family)
+    cfg = _config(family, max_position)
     cls = Gemma3ForCausalLM if family == "hybrid" else LlamaForCausalLM
     model = cls(cfg).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
