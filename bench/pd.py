@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the decode's bound on waiting for the prefill's publish",
     )
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="build (or reuse, if its stamp matches) the model here"
+                         " instead of the run's temporary folder")  # fmt: skip
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     if not lengths or min(lengths) < 1 or max(lengths) >= MAX_LEN:
@@ -97,7 +100,7 @@ def main() -> None:
     from tests_vllm.test_store import _store_flags
 
     work = Path(tempfile.mkdtemp(prefix="bench-pd-"))
-    model = make_model(work / "llama-8k", max_position=MAX_LEN)
+    model = make_model(args.model_dir or work / "llama-8k", max_position=MAX_LEN)
     key = key_file(work / "key")
     cmd = (
         test_pd.CMD.replace(
