@@ -140,7 +140,13 @@ def main() -> None:
 
         res: dict[str, Any] = {}
         seed = 0
-        argv = " ".join(sys.argv[1:])
+        # The label's command: without --model-dir (a cache path of the machine
+        # that ran it, not an option of the measurement).
+        kept = sys.argv[1:]
+        if "--model-dir" in kept:
+            i = kept.index("--model-dir")
+            kept = kept[:i] + kept[i + 2 :]
+        argv = " ".join(a for a in kept if not a.startswith("--model-dir="))
         date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
         def report(done: bool) -> str:
