@@ -13,7 +13,9 @@
 # transfer engine will not use the loopback and would otherwise send to the
 # machine's own LAN address. Without root the Mooncake tests skip.
 #
-#   make test-stores   the suite (about 2.5 minutes on 2 cores, 6 under a heavy load; plus the install once)
+#   make test-stores   the suite (about 2.5 minutes on 2 cores, 6 under a heavy load; plus the install once),
+#                      then the engine tests below: about 4 minutes more (measured: vLLM's 56 s, SGLang's
+#                      170 s of pytest, one at a time under the shared heavy-run lock)
 
 STORES_DIR   := .venv-stores
 STORES_STAMP := $(STORES_DIR)/.installed

@@ -24,6 +24,7 @@ time (and the baseline server, which has no daemon).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -168,6 +169,7 @@ def run(s3: StoreServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     finally:
         srv.stop()
         res["second_rc"] = d2.stop()
+    (work / "run.json").write_text(json.dumps(res))  # what the tests read, for a failure's look
     return res
 
 
