@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -88,8 +89,15 @@ def summarize(arms: dict[str, list[float]]) -> dict[str, Any]:
     return out
 
 
+def _exit_on_term(signum: int, _frame: object) -> None:
+    """SIGTERM (``timeout``, a cut-short run) unwinds through ``main``'s
+    ``finally``: the servers run in their own sessions and would outlive us."""
+    sys.exit(128 + signum)
+
+
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, _exit_on_term)
 
     from bench.serving.model import make_model
     from tests.store_helpers import key_file
