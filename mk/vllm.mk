@@ -9,7 +9,9 @@
 #                     Its five engine modules (e2e, evict, families, store_engine, mla_tp2)
 #                     alone, at load 5-24 (others' runs beside): 21.5 min of pytest before the
 #                     drivers ran their engines in-process (tests_vllm/engine_process.py),
-#                     10.3 min after; the suite itself not yet re-measured
+#                     10.3 min after. The whole suite after (110 tests, test_pd.py's
+#                     included): 19.6 min of pytest at load 3-15, 2026-12-07; test_evict's
+#                     workload (5.3 min of it) is what is left to shorten
 #   make test-vllm-033  vLLM 0.33's own scheduler and connector code against a real
 #                     daemon (no CPU engine of 0.33 exists): the 0.33 wheel installed
 #                     --no-deps into .venv-vllm/vllm033, first on PYTHONPATH
