@@ -96,3 +96,36 @@ def test_slots_take_waits_at_most_its_timeout() -> None:
     assert s.take(1, timeout=0.05) == [0]
     s.close()
     assert s.take(1) == []
+
+
+def test_a_new_linker_learns_a_whole_prompt_at_its_first_lookup(daemon: Daemon) -> None:
+    """A linker whose mirror never heard of a prompt's pages (a server
+    restarted beside its daemon, a replica on a shared store) asks about all
+    of them at its first lookup, in one background batch: once that batch has
+    answered, the next lookup hits the whole prompt. It used to ask about the
+    first unknown page only, so a restarted server learned one page per
+    request."""
+    from kvseal.sglang import pools
+
+    src = mha_pool()
+    _fill(src, 3)
+    prompt = page_keys(7, 4)
+    first = make_linker(src, daemon.socket)
+    try:
+        assert offload_and_wait(first, [kv(prompt, [1, 2, 3, 4])])
+    finally:
+        first.close()
+    second = make_linker(mha_pool(), daemon.socket)
+    try:
+        mirror = second.tiers[pools.KV].mirror
+        deadline = time.monotonic() + 60
+        while not mirror.synced.is_set():  # discovery asks only a live mirror
+            assert time.monotonic() < deadline, "the mirror never subscribed"
+            time.sleep(0.02)
+        assert second.lookup("r1", [kv(prompt)]) == []  # news to this mirror
+        while mirror.discovery._asked:  # the one background batch answers
+            assert time.monotonic() < deadline, "discovery never answered"
+            time.sleep(0.02)
+        assert second.lookup("r2", [kv(prompt)]) == [1, 2, 3, 4]
+    finally:
+        second.close()

@@ -354,11 +354,16 @@ class KVSealLinker(UnifiedCacheLinker):
             tier.mirror.introduce(tenant)
         hashes = [keys.kvseal_hash(k) for k in kv.keys]
         kvt = self.tiers[pools.KV]
-        n = 0
-        for h in hashes:
+        n = len(hashes)
+        for i, h in enumerate(hashes):
             if not kvt.present(tenant, h):
+                n = i
+                # The rest of the prompt is asked about in the same background
+                # batch: a server restarted on a warm store (or a replica) would
+                # otherwise learn one page per request.
+                for later in hashes[i + 1 :]:
+                    kvt.present(tenant, later)
                 break
-            n += 1
         ok = [True] * (n + 1)
         swa = self.tiers.get(pools.SWA)
         if swa is not None and n:
