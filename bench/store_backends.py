@@ -19,6 +19,15 @@ the private network namespace of ``tests_stores/netns.sh`` (Mooncake: its
 transfer engine refuses the loopback); a backend whose client or server is
 missing, or that cannot start, is skipped with the reason printed. Each
 repetition uses fresh names; ratios are kvseal / raw per repetition.
+
+Mooncake's topology is production's (docs/store.md): the cluster's memory
+is mounted by a separate node process (this file run as ``node``, on the
+namespace's mc0 address), and the bench's kvseal store and its raw client
+mount none (``segment=0``, on mc1), so every put and get crosses Mooncake's
+TCP transfer engine. Both addresses are this kernel's, so the bytes take
+its loopback path, not a NIC. The row ``mooncake (memory in this process)``
+keeps the earlier topology (the bench's own client mounts the segment: a put
+or get is an in-process copy) for comparison.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +54,10 @@ from kvseal.server.store.keysource import LocalKeySource
 ACCESS_KEY = "kvsealbenchaccess"
 SECRET_KEY = "kvsealbenchsecret0123456789"
 BUCKET = "kvseal-bench"
+
+
+# The second Mooncake row: the bench's own client mounts the cluster's memory.
+MOONCAKE_LOCAL = "mooncake (memory in this process)"
 
 
 class Skip(Exception):
@@ -142,9 +156,11 @@ def _create_bucket(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
 
 
 @contextmanager
-def mooncake_master(root: Path, segment_bytes: int) -> Iterator[str]:
+def mooncake_master(root: Path, segment_bytes: int, remote: bool = True) -> Iterator[str]:
     """``mooncake_master`` (from Mooncake's wheel) on the namespace's mc0
-    address; yields the store URL of a client mounting ``segment_bytes``."""
+    address; yields a store URL. ``remote``: a separate node process
+    (:func:`memory_node`) mounts ``segment_bytes`` and the URL's client mounts
+    none (production's topology); otherwise the URL's client mounts them."""
     try:
         import mooncake.store  # noqa: F401 - the mooncake extra
     except (ImportError, OSError) as e:  # OSError: libibverbs.so.1 missing
@@ -177,13 +193,68 @@ def mooncake_master(root: Path, segment_bytes: int) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise Skip(f"mooncake_master did not start: {log.read_text()[-300:]!r}")
             time.sleep(0.1)
-        yield (
-            f"mooncake://{ip}:{port}?local={client_ip}&metadata=http://{ip}:{port + 1}/metadata"
-            f"&segment={segment_bytes}&buffer=64MiB&prefix=bench/"
-        )
+        metadata = f"http://{ip}:{port + 1}/metadata"
+        url = f"mooncake://{ip}:{port}?local={client_ip}&metadata={metadata}"
+        if not remote:
+            yield f"{url}&segment={segment_bytes}&buffer=64MiB&prefix=bench/"
+            return
+        with memory_node(root, ip, metadata, f"{ip}:{port}", segment_bytes):
+            yield f"{url}&segment=0&buffer=64MiB&prefix=bench/"
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@contextmanager
+def memory_node(
+    root: Path, local: str, metadata: str, master: str, segment_bytes: int
+) -> Iterator[None]:
+    """A separate process (this file's ``node``) that mounts ``segment_bytes``
+    into the cluster from ``local``, as a fleet's store node does; held until
+    the context exits (its stdin closes), then killed if it lingers."""
+    log = root / "mooncake_node.log"
+    with log.open("ab") as f:
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "node", local, metadata, master, str(segment_bytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f,
+        )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        # "ready" once mounted, "setup error" on failure; EOF if it died. The
+        # client's own log lines, if any reach stdout first, are passed over.
+        line = ""
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").strip()
+            if line == "ready" or line.startswith("setup error"):
+                break
+        if line != "ready":
+            raise Skip(
+                f"the Mooncake memory node did not mount: {line!r} {log.read_text()[-300:]!r}"
+            )
+        yield
+    finally:
+        proc.stdin.close()  # the node closes its client and exits
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _node(local: str, metadata: str, master: str, segment_bytes: int) -> None:
+    """The memory node's body: mount, say ``ready``, hold until stdin closes."""
+    from mooncake.store import MooncakeDistributedStore
+
+    node = MooncakeDistributedStore()
+    rc = node.setup(local, metadata, segment_bytes, 16 << 20, "tcp", "", master)
+    print("ready" if rc == 0 else f"setup error {rc}", flush=True)
+    if rc != 0:
+        raise SystemExit(1)
+    # Nobody reads the pipe from here on: later output goes to the log
+    # (stderr), so a chatty client can never fill the pipe and stall the node.
+    os.dup2(2, 1)
+    sys.stdin.read()
+    node.close()
 
 
 # ---------------------------------------------------------------- raw clients
@@ -290,7 +361,7 @@ def _measure_one(
 
 def measure(
     block_bytes: int, blocks: int, reps: int, say: Callable[[str], None],
-    backends: tuple[str, ...] = ("s3", "mooncake"),
+    backends: tuple[str, ...] = ("s3", "mooncake", MOONCAKE_LOCAL),
 ) -> list[BackendRows]:  # fmt: skip
     """Each backend of ``backends``: start its server, then ``reps``
     repetitions of the four measurements on ``blocks`` random blocks."""
@@ -316,13 +387,13 @@ def measure(
                                 _measure_one(store, raw_s3, rows, data, reps, say)
                         finally:
                             raw_s3.close()
-                elif name == "mooncake":
+                elif name in ("mooncake", MOONCAKE_LOCAL):
                     from kvseal.server.store.mooncake import open_mooncake
 
                     # Room for one repetition's sealed and raw copies, and slack.
                     segment = 3 * blocks * block_bytes + (64 << 20)
                     with (
-                        mooncake_master(root, segment) as url,
+                        mooncake_master(root, segment, remote=name == "mooncake") as url,
                         FsStore(cfg, key, open_mooncake(url)) as store,
                     ):
                         _measure_one(store, RawMooncake(store), rows, data, reps, say)
@@ -359,8 +430,9 @@ def table(
     lines = [
         f"Store backends: {blocks} blocks of {block_bytes / (1 << 20):g} MiB per repetition, "
         f"one thread, median of {reps}; raw = the backend's own client on the same bytes "
-        "(dir: a plain file copy, its own run above); ratio = kvseal / raw per repetition, "
-        "median (min-max); goal >= 0.8",
+        "(dir: a plain file copy, its own run above; mooncake: the memory mounted by a "
+        "separate node process, kvseal and raw mount none and reach it over TCP); "
+        "ratio = kvseal / raw per repetition, median (min-max); goal >= 0.8",
         "",
         "| backend | operation | kvseal GB/s | raw GB/s | ratio |",
         "|---|---|---:|---:|---:|",
@@ -374,3 +446,9 @@ def table(
         lines.append(f"| {r.backend} | spill (put) vs raw put | {_cell(r.spill)} |")
         lines.append(f"| {r.backend} | restore (get) vs raw get | {_cell(r.restore)} |")
     return lines
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["node"] or len(sys.argv) != 6:
+        raise SystemExit(f"usage: {sys.argv[0]} node LOCAL METADATA MASTER SEGMENT_BYTES")
+    _node(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))

@@ -1,7 +1,8 @@
 """``make bench``'s store backend rows (bench/store_backends.py), run small:
 the table has the directory's rows and, per backend, a spill and a restore
 row with kvseal's figure, the raw client's and their ratio, or one row
-saying why that backend was skipped. A backend whose server this suite can
+saying why that backend was skipped. Mooncake has two: its memory on a
+separate node process (production's topology), and in the bench's process. A backend whose server this suite can
 start (weed installed; mooncake_master inside netns.sh's namespace) must not
 be skipped. Shape only: no figure is compared with a goal (the machine is
 shared)."""
@@ -18,8 +19,9 @@ from tests_stores.conftest import MC_MASTER_IP, mooncake_binary, weed_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM = r"\d+\.\d{3}"
-ROW = re.compile(rf"^\| (dir|s3|mooncake) \| (.+?) \| ({NUM}) \| ({NUM}) \| (\d+\.\d\d) \((\d+\.\d\d)-(\d+\.\d\d)\) \|$")  # fmt: skip
-SKIPPED = re.compile(r"^\| (s3|mooncake) \| skipped: (.+?) \| \| \| \|$")
+BACKEND = r"dir|s3|mooncake|mooncake \(memory in this process\)"
+ROW = re.compile(rf"^\| ({BACKEND}) \| (.+?) \| ({NUM}) \| ({NUM}) \| (\d+\.\d\d) \((\d+\.\d\d)-(\d+\.\d\d)\) \|$")  # fmt: skip
+SKIPPED = re.compile(rf"^\| ({BACKEND}) \| skipped: (.+?) \| \| \| \|$")
 
 
 def test_store_backend_rows_have_their_shape() -> None:
@@ -53,7 +55,8 @@ def test_store_backend_rows_have_their_shape() -> None:
         assert s, f"neither a figure row nor a skip: {line}"
         skipped[s[1]] = s[2]
     assert len(rows["dir"]) == 2
-    for backend in ("s3", "mooncake"):
+    both_mooncakes = ("mooncake", "mooncake (memory in this process)")
+    for backend in ("s3", *both_mooncakes):
         if backend in skipped:
             assert backend not in rows and skipped[backend].strip()
             continue
@@ -62,7 +65,8 @@ def test_store_backend_rows_have_their_shape() -> None:
     # What this suite can start must have run.
     if weed_binary() is not None:
         assert "s3" in rows, skipped.get("s3")
-    if MC_MASTER_IP and mooncake_binary() is not None:
-        assert "mooncake" in rows, skipped.get("mooncake")
-    else:
-        assert "mooncake" in skipped, "no namespace here: skipped, with its reason"
+    for backend in both_mooncakes:  # memory on a separate node process; in this one
+        if MC_MASTER_IP and mooncake_binary() is not None:
+            assert backend in rows, skipped.get(backend)
+        else:
+            assert backend in skipped, "no namespace here: skipped, with its reason"
