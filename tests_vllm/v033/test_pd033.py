@@ -9,7 +9,9 @@ whose daemon publishes, a decode engine whose daemon finds the blocks there.
   looked up again (RETRY: not scheduled, the scheduler never blocks) and is
   served from the store once the prefill publishes: restored, byte for byte;
 - past the bound (``kvseal_pd_wait_ms``) the request is computed, counted late;
-- a request without the params is never held for an absent block.
+- a request without the params is never held for an absent block;
+- an old handoff presented after its tenant was dropped restores nothing:
+  the decode computes after the bound (the store's erasure rules).
 
 Run by ``make test-vllm-033`` and ``make test-vllm-034``.
 """
@@ -195,4 +197,49 @@ def test_a_plain_request_is_not_held_for_an_absent_block(
         assert dd.stats()["restored_blocks"] == 0
     finally:
         e.shutdown()
+        dd.stop()
+
+
+def test_an_old_handoff_after_its_tenant_was_dropped_is_computed(
+    tmp_path: Path, store: tuple[Path, Path]
+) -> None:
+    """The prefill publishes a prompt; then the tenant is dropped (on the
+    prefill's daemon, which marks the drop in the shared store); then the host
+    presents the old handoff to the decode. The store's erasure rules hold for
+    handoffs: nothing is restored, the decode computes the prompt after its
+    bound, counted late."""
+    from kvseal.client import ClientConfig, KVSealClient
+    from kvseal.vllm.manager import SHARED_TENANT
+
+    dp, dd = _daemon(tmp_path, "p", store), _daemon(tmp_path, "d", store)
+    engines: list[Engine] = []
+    try:
+        p = _engine(tmp_path, dp, "p", 60_000)
+        engines.append(p)
+        d = _engine(tmp_path, dd, "d", 1500)
+        engines.append(d)
+        t = tokens(6)
+        add(p, "pre", t, {"do_remote_decode": True})
+        p.run()
+        (params,) = finished_params(p, "pre")
+
+        def spilled() -> bool:
+            with KVSealClient(ClientConfig(target=dp.target)) as c:
+                return int(c.stats().store_spilled_blocks) >= BLOCKS
+
+        assert wait_for(spilled, PAGE_WAIT_S), "the prefill never published"
+        assert p.worker.kv is not None
+        with KVSealClient(ClientConfig(target=dp.target)) as c:
+            c.drop(p.worker.kv.pool.handle.pool_id, SHARED_TENANT, all_of_tenant=True)
+        late = pd.COUNTS["late"]
+        add(d, "dec", t, params)
+        d.run(timeout=PAGE_WAIT_S)
+        assert dd.stats()["restored_blocks"] == 0
+        assert pd.COUNTS["late"] == late + 1
+        ids = d.last_blocks["dec"]
+        assert d.page(ids[0], 0) == page_bytes(t, 0, 0)  # computed by the "model"
+    finally:
+        for e in engines:
+            e.shutdown()
+        dp.stop()
         dd.stop()
