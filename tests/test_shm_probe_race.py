@@ -94,6 +94,19 @@ sys.stdin.readline()
 """
 
 
+def _locked(name: str, hold_s: str) -> subprocess.Popen[str]:
+    """A second process holding an exclusive flock on ``name`` (PROBER):
+    returns once it holds it."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", PROBER, os.path.join(SHM_DIR, name), hold_s],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == "locked"
+    return p
+
+
 def test_another_processs_passing_probe_is_not_an_owner_lock(
     plain: SharedKVPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -103,15 +116,9 @@ def test_another_processs_passing_probe_is_not_an_owner_lock(
     machine; the daemon's default is a few milliseconds.)"""
     monkeypatch.setattr(shmpool, "_PROBE_RECHECK_S", 2.0, raising=False)
     name = _names(plain)[0]
-    p = subprocess.Popen(
-        [sys.executable, "-c", PROBER, os.path.join(SHM_DIR, name), "0.05"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    p = _locked(name, "0.05")
     try:
         assert p.stdout is not None and p.stdin is not None
-        assert p.stdout.readline().strip() == "locked"
         p.stdin.write("go\n")  # release 50 ms from now, during the daemon's recheck
         p.stdin.flush()
         mapped = CpuMappedPool(_spec(plain, "probed"))
@@ -131,15 +138,8 @@ def test_an_owner_lock_held_throughout_still_counts(
     gone the daemon's close unlinks its name (the engine-is-gone rule)."""
     monkeypatch.setattr(shmpool, "_PROBE_RECHECK_S", 0.05, raising=False)
     name = _names(plain)[0]
-    p = subprocess.Popen(
-        [sys.executable, "-c", PROBER, os.path.join(SHM_DIR, name), "0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    p = _locked(name, "0")
     try:
-        assert p.stdout is not None
-        assert p.stdout.readline().strip() == "locked"
         mapped = CpuMappedPool(_spec(plain, "owned"))
     finally:
         p.kill()
