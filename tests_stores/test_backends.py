@@ -427,3 +427,14 @@ def test_the_directory_backend_is_the_default(tmp_path: Path) -> None:
         assert isinstance(s._dir, StoreDir)
     finally:
         s.close()
+
+
+def get_or_none(s: FsStore) -> bytes | None:
+    """Block ``b`` of T1 as the store serves it now; None when it answers a
+    miss or fails (a server down or answering garbage: the failure-mode tests
+    poll this until the store has reconnected by itself)."""
+    try:
+        got = s.get(NS, T1, h("b"))
+    except OSError:
+        return None
+    return None if got is None else bytes(got)

@@ -27,7 +27,7 @@ from kvseal.server.store.mooncake import MooncakeBackend, MooncakeLocation, open
 from tests.conftest import until
 
 from .conftest import MC_MASTER_IP, Master, MooncakeHost, need_mooncake, new_master
-from .test_backends import KEY, NS, T1, h, kv
+from .test_backends import KEY, NS, T1, get_or_none, h, kv
 
 GOOD = "mooncake://10.199.0.1:50051?local=10.199.0.2"
 
@@ -156,14 +156,6 @@ def test_capacity_is_the_mounted_memory(mooncake_master: Master) -> None:
         s.close()
 
 
-def _get_or_none(s: FsStore) -> bytes | None:
-    try:
-        got = s.get(NS, T1, h("b"))
-    except OSError:
-        return None
-    return None if got is None else bytes(got)
-
-
 def _garbage_server(port: int, stop: threading.Event) -> threading.Thread:
     """Answers every connection on the master's port with bytes that are not
     Mooncake's protocol."""
@@ -207,10 +199,10 @@ def test_a_master_down_stopped_or_answering_garbage_costs_misses(own_master: Mas
                 s.contains(NS, T1, h("b"))  # not one more wait on the master
         finally:
             own_master.proc.send_signal(signal.SIGCONT)
-        until(lambda: _get_or_none(s) == kv("b"), "answers again once resumed", 60)
+        until(lambda: get_or_none(s) == kv("b"), "answers again once resumed", 60)
 
         own_master.stop()  # down: refused
-        until(lambda: _get_or_none(s) is None, "a miss", 60)
+        until(lambda: get_or_none(s) is None, "a miss", 60)
         with pytest.raises(OSError):
             s.put(NS, T1, h("c"), kv("c"))
 
@@ -218,7 +210,7 @@ def test_a_master_down_stopped_or_answering_garbage_costs_misses(own_master: Mas
         garbage = _garbage_server(own_master.port, stop)
         try:
             for _ in range(3):
-                assert _get_or_none(s) is None  # never a stall, never a crash
+                assert get_or_none(s) is None  # never a stall, never a crash
         finally:
             stop.set()
             garbage.join(10)

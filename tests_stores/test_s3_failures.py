@@ -20,7 +20,7 @@ from kvseal.server.store.keysource import DeploymentKey
 from tests.conftest import until
 
 from .conftest import BUCKET, new_weed
-from .test_backends import KEY, NS, T1, h, kv
+from .test_backends import KEY, NS, T1, get_or_none, h, kv
 
 pytest.importorskip("boto3")
 from kvseal.server.store.s3 import S3Location, open_s3
@@ -58,21 +58,13 @@ def test_a_server_that_goes_down_costs_misses_and_is_found_again(
                 s.put(NS, T1, h("c"), kv("c"))
             assert not _contains_or_error(s)
             weed.start()  # same data, same port
-            until(lambda: _get_or_none(s) == kv("b"), "reconnected by itself", 60)
+            until(lambda: get_or_none(s) == kv("b"), "reconnected by itself", 60)
             assert s.put(NS, T1, h("c"), kv("c")) and s.get(NS, T1, h("c")) == kv("c")
             assert s.stats().integrity_failures == 0
         finally:
             s.close()
     finally:
         weed.stop()
-
-
-def _get_or_none(s: FsStore) -> bytes | None:
-    try:
-        got = s.get(NS, T1, h("b"))
-    except OSError:
-        return None
-    return None if got is None else bytes(got)
 
 
 def _contains_or_error(s: FsStore) -> bool:
